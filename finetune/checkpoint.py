@@ -1,0 +1,168 @@
+"""Where checkpoints live, what makes one complete, and saving a model without its wrapper.
+
+Layout under ``OUTPUT_DIR``: the final model (a plain Hugging Face folder) at the top, full training
+states in ``checkpoints/step_N``. A checkpoint is written into ``step_N.partial`` and renamed into place
+only once every file is there, with ``progress.json`` written last, so a folder named ``step_N`` is
+always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from finetune.errors import UserError
+
+__all__ = [
+    "Progress",
+    "check_output_dir",
+    "checkpoint_path",
+    "find_latest_checkpoint",
+    "load_state_dict_unwrapped",
+    "prune_checkpoints",
+    "read_progress",
+    "resolve_resume_checkpoint",
+    "save_model",
+    "write_progress",
+]
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_FILE = "progress.json"
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class Progress:
+    """Where training stands: enough to continue exactly."""
+
+    global_step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    """Micro-batches each rank has consumed in ``epoch``."""
+    world_size: int = 1
+    runtime: str = ""
+
+
+def checkpoint_path(output_dir: str, step: int) -> Path:
+    return Path(output_dir) / "checkpoints" / f"step_{step}"
+
+
+def write_progress(folder: Path, progress: Progress) -> None:
+    (folder / PROGRESS_FILE).write_text(json.dumps(asdict(progress), indent=2) + "\n")
+
+
+def read_progress(folder: Path) -> Progress:
+    return Progress(**json.loads((Path(folder) / PROGRESS_FILE).read_text()))
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / PROGRESS_FILE).is_file() and (folder / "model.safetensors").is_file()
+
+
+def find_latest_checkpoint(output_dir: str) -> Path | None:
+    """The complete checkpoint with the highest step under ``output_dir/checkpoints``, or None."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and _is_complete(p)]
+    return max(steps)[1] if steps else None
+
+
+def resolve_resume_checkpoint(value: str | None, output_dir: str) -> Path | None:
+    """The folder ``--resume_from_checkpoint`` names; ``latest`` with no checkpoint yet means a fresh start.
+
+    Raises:
+        UserError: the path is not a complete checkpoint.
+    """
+    if value is None:
+        return None
+    if value == "latest":
+        return find_latest_checkpoint(output_dir)
+    folder = Path(value)
+    if not folder.is_dir():
+        raise UserError(f"--resume_from_checkpoint {value}: no such folder; give a checkpoint folder or 'latest'")
+    if not _is_complete(folder):
+        raise UserError(
+            f"--resume_from_checkpoint {value} is not a complete checkpoint (no {PROGRESS_FILE} or "
+            "model.safetensors); pick a checkpoints/step_N folder or use 'latest'"
+        )
+    return folder
+
+
+def prune_checkpoints(output_dir: str, limit: int | None) -> None:
+    """Delete the oldest complete checkpoints so that at most ``limit`` remain."""
+    if limit is None:
+        return
+    root = Path(output_dir) / "checkpoints"
+    complete = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and _is_complete(p))
+    for _, folder in complete[:-limit]:
+        shutil.rmtree(folder)
+
+
+def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
+    """Refuse to write over a saved model unless asked to.
+
+    Raises:
+        UserError: ``output_dir`` holds a model and neither ``overwrite`` nor ``resuming`` is set, or it
+            is a file.
+    """
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--output_dir {output_dir} is a file; give a folder")
+    holds_model = (path / "config.json").is_file() or any(path.glob("model*.safetensors"))
+    if holds_model and not (overwrite or resuming):
+        raise UserError(
+            f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir to replace it "
+            "or choose another --output_dir"
+        )
+
+
+def save_model(model: torch.nn.Module, state_dict: dict, tokenizer, output_dir: str, is_main_process: bool) -> None:
+    """Save an unwrapped model with ``save_pretrained`` (safetensors) and its tokenizer.
+
+    ``state_dict`` is the full, unwrapped state (from the runtime), so sharded wrappers save correctly.
+
+    Raises:
+        ValueError: a key still carries a wrapper's prefix, i.e. the model was not unwrapped.
+    """
+    wrapped = [k for k in state_dict if k.startswith(_WRAPPER_PREFIXES)]
+    if wrapped:
+        raise ValueError(f"refusing to save a wrapped model: key {wrapped[0]!r} has a wrapper prefix")
+    if is_main_process:
+        model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(output_dir)
+
+
+def load_state_dict_unwrapped(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load a state dict (safetensors, or a torch file as tensors only) and strip wrapper prefixes.
+
+    A naive DDP script saves ``model.state_dict()`` of the wrapper, whose keys start with ``module.``;
+    ``torch.compile`` adds ``_orig_mod.``. Both are removed, and a warning says so once.
+    """
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        state = load_file(path)
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    repaired = {}
+    stripped = set()
+    for key, value in state.items():
+        new_key = key
+        while new_key.startswith(_WRAPPER_PREFIXES):
+            prefix = next(p for p in _WRAPPER_PREFIXES if new_key.startswith(p))
+            stripped.add(prefix)
+            new_key = new_key[len(prefix):]
+        repaired[new_key] = value
+    if stripped:
+        logger.warning("%s: removed wrapper prefix(es) %s from the keys", path, ", ".join(sorted(stripped)))
+    return repaired

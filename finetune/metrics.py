@@ -1,0 +1,70 @@
+"""Classification metrics through ``evaluate``, with offline equivalents of the Hub's modules.
+
+``evaluate.load("accuracy")`` fetches the module's script from the Hub. The two modules here compute the
+same numbers (both call scikit-learn, as the Hub's do) and are used when the Hub cannot be reached.
+"""
+
+from __future__ import annotations
+
+import datasets
+import evaluate
+from huggingface_hub import constants
+from sklearn.metrics import accuracy_score, f1_score
+
+__all__ = ["OfflineAccuracy", "OfflineF1", "classification_metrics", "load_metric"]
+
+_FEATURES = datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")})
+
+
+class OfflineAccuracy(evaluate.Metric):
+    """Fraction of predictions equal to their reference."""
+
+    def _info(self):
+        return evaluate.MetricInfo(
+            description="Accuracy: correct predictions / all predictions.",
+            citation="",
+            inputs_description="predictions and references: class ids",
+            features=_FEATURES,
+        )
+
+    def _compute(self, predictions, references, normalize=True, sample_weight=None):
+        return {"accuracy": float(accuracy_score(references, predictions, normalize=normalize,
+                                                 sample_weight=sample_weight))}
+
+
+class OfflineF1(evaluate.Metric):
+    """Harmonic mean of precision and recall (``average`` as in scikit-learn)."""
+
+    def _info(self):
+        return evaluate.MetricInfo(
+            description="F1 = 2 * precision * recall / (precision + recall).",
+            citation="",
+            inputs_description="predictions and references: class ids; average: binary, macro, micro, weighted",
+            features=_FEATURES,
+        )
+
+    def _compute(self, predictions, references, labels=None, pos_label=1, average="binary", sample_weight=None):
+        return {"f1": float(f1_score(references, predictions, labels=labels, pos_label=pos_label, average=average,
+                                     sample_weight=sample_weight))}
+
+
+_OFFLINE = {"accuracy": OfflineAccuracy, "f1": OfflineF1}
+
+
+def load_metric(name: str) -> evaluate.EvaluationModule:
+    """The Hub's ``evaluate`` module when it can be had, else the offline equivalent."""
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            return evaluate.load(name, keep_in_memory=True)
+        except Exception:  # no network, a proxy, a moved module: the offline one gives the same numbers
+            pass
+    return _OFFLINE[name](keep_in_memory=True)
+
+
+def classification_metrics(predictions, references, num_labels: int) -> dict[str, float]:
+    """Accuracy and F1 (binary for two classes, macro-averaged for more), as plain floats."""
+    average = "binary" if num_labels == 2 else "macro"
+    return {
+        **load_metric("accuracy").compute(predictions=predictions, references=references),
+        **load_metric("f1").compute(predictions=predictions, references=references, average=average),
+    }
