@@ -34,7 +34,7 @@ from torch.utils.data.distributed import DistributedSampler
 from finetune.checkpoint import load_state_dict_unwrapped
 from finetune.config import ClassifyConfig
 from finetune.errors import UserError
-from finetune.runtime import Runtime
+from finetune.runtime import Runtime, own_generator
 
 __all__ = [
     "DDPRuntime",
@@ -156,6 +156,7 @@ class DDPRuntime(Runtime):
         self.info = init_distributed(cfg.ddp_backend, timedelta(seconds=cfg.ddp_timeout))
         self.world_size, self.rank, self.device = self.info.world_size, self.info.rank, self.info.device
         self.accumulation_steps = cfg.gradient_accumulation_steps
+        self.seed = cfg.seed
         self.bf16 = cfg.mixed_precision == "bf16"
         self._sync = True
         self._eval_remaining = 0
@@ -171,13 +172,15 @@ class DDPRuntime(Runtime):
     def train_loader(self, dataset, sampler, collate_fn):
         sampler.rank = self.rank
         self.train_sampler = sampler
-        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, pin_memory=self.device.type == "cuda")
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, generator=own_generator(self.seed),
+                          pin_memory=self.device.type == "cuda")
 
     def eval_loader(self, dataset, batch_size, collate_fn):
         # DistributedSampler pads the set to a multiple of the world size with repeats; gather_for_metrics
         # drops them again.
         sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=False)
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                            generator=own_generator(self.seed))
         return _OrderedEval(loader, self)
 
     def prepare(self, model, optimizer, scheduler, train_loader, eval_loader):

@@ -24,7 +24,7 @@ from finetune.config import ClassifyConfig
 from finetune.data import GlobalBatchSampler
 from finetune.errors import UserError
 
-__all__ = ["AccelerateRuntime", "Runtime", "make_runtime", "started_by_torchrun"]
+__all__ = ["AccelerateRuntime", "Runtime", "make_runtime", "own_generator", "started_by_torchrun"]
 
 
 class Runtime(ABC):
@@ -132,6 +132,15 @@ class Runtime(ABC):
         return final
 
 
+def own_generator(seed: int) -> torch.Generator:
+    """A generator for a DataLoader's worker seeds.
+
+    Without one, every new DataLoader iterator draws from the global RNG, so a resumed run (which starts
+    its iterator after restoring the RNG) would see different dropout masks from the run it continues.
+    """
+    return torch.Generator().manual_seed(seed)
+
+
 def started_by_torchrun() -> bool:
     """torchrun sets TORCHELASTIC_RUN_ID; ``accelerate launch`` sets ACCELERATE_* variables besides."""
     return "TORCHELASTIC_RUN_ID" in os.environ and not any(k.startswith("ACCELERATE_") for k in os.environ)
@@ -159,6 +168,7 @@ class AccelerateRuntime(Runtime):
         from accelerate.utils import ProjectConfiguration
 
         self._train_sampler: GlobalBatchSampler | None = None
+        self.seed = cfg.seed
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         self.accelerator = Accelerator(
             # Without cpu=True a multi-process launch on a machine with no accelerator starts processes
@@ -189,10 +199,11 @@ class AccelerateRuntime(Runtime):
     def train_loader(self, dataset, sampler, collate_fn):
         # Accelerate shards batches round-robin, which is how the sampler lays out ranks' shares.
         self._train_sampler = sampler
-        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn)
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, generator=own_generator(self.seed))
 
     def eval_loader(self, dataset, batch_size, collate_fn):
-        return DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn)
+        return DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn,
+                          generator=own_generator(self.seed))
 
     def prepare(self, model, optimizer, scheduler, train_loader, eval_loader):
         return self.accelerator.prepare(model, optimizer, scheduler, train_loader, eval_loader)

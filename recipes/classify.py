@@ -51,7 +51,6 @@ def evaluate(runtime, model, eval_loader, num_labels):
             )
             for store, values in zip((predictions, references, losses), gathered):
                 store.append(values.cpu())
-    model.train()
     predictions, references = torch.cat(predictions), torch.cat(references)
     metrics = classification_metrics(predictions.tolist(), references.tolist(), num_labels)
     metrics = {f"eval_{name}": value for name, value in metrics.items()}
@@ -125,6 +124,7 @@ def main(argv=None):
         metrics, eval_predictions = {}, None
         for epoch in range(progress.epoch, num_epochs):
             progress.epoch = epoch
+            model.train()
             for batch in runtime.epoch_batches(train_loader, epoch, skip_batches=progress.batches_in_epoch):
                 with runtime.accumulate(model):
                     labels, weights = batch.pop("labels"), batch.pop("loss_weight")
@@ -158,6 +158,7 @@ def main(argv=None):
                 if cfg.eval_steps and progress.global_step % cfg.eval_steps == 0:
                     metrics, eval_predictions = evaluate(runtime, model, eval_loader, len(data.label_names))
                     runtime.log(metrics, step=progress.global_step)
+                    model.train()
                 if cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0:
                     runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)
                 if progress.global_step >= max_steps:

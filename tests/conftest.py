@@ -1,0 +1,116 @@
+"""Shared helpers: small data files, a dropout-free copy of the default model, and launchers.
+
+Every training run here is a real process started the way a user starts it (python, torchrun,
+accelerate launch), offline.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = str(REPO / "recipes" / "classify.py")
+CPU_DDP_CONFIG = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Small, fast runs: short sequences, a few examples.
+FAST_FLAGS = ["--max_seq_length", "48", "--per_device_eval_batch_size", "4", "--logging_steps", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], timeout: float = 300, check: bool = True, env: dict | None = None):
+    """Run a command; on an unexpected exit status show its output in the failure."""
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                            env={**os.environ, **(env or {})})
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-6000:]}")
+    return result
+
+
+def python_cmd(*args) -> list[str]:
+    return [sys.executable, RECIPE, *args]
+
+
+def accelerate_cmd(*args, num_processes: int = 2, script: str = RECIPE) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_DDP_CONFIG,
+            "--num_processes", str(num_processes), "--main_process_port", str(free_port()), script, *args]
+
+
+def torchrun_cmd(*args, nproc: int = 2, script: str = RECIPE) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(free_port()), script, *args]
+
+
+def read_results(output_dir) -> dict:
+    return json.loads((Path(output_dir) / "all_results.json").read_text())
+
+
+def read_weights(folder) -> dict:
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def max_weight_diff(a, b) -> float:
+    wa, wb = read_weights(a), read_weights(b)
+    assert wa.keys() == wb.keys()
+    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+
+
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory) -> dict[str, Path]:
+    """Support-ticket rows with string labels: 42 for training, 23 (a prime) for evaluation."""
+    from finetune.default_dataset import LABEL_NAMES, make_support_tickets
+
+    folder = tmp_path_factory.mktemp("data")
+    dataset = make_support_tickets()
+
+    def rows(split, count):
+        short = [r for r in dataset[split] if len(r["text"]) < 160][:count]
+        return [{"text": r["text"], "label": LABEL_NAMES[r["label"]]} for r in short]
+
+    return {
+        "train": write_csv(folder / "train.csv", rows("train", 42)),
+        "validation": write_csv(folder / "validation.csv", rows("validation", 23)),
+    }
+
+
+@pytest.fixture(scope="session")
+def no_dropout_model(tmp_path_factory) -> Path:
+    """The default MiniLM with dropout off, for comparisons that must not depend on dropout masks."""
+    from finetune.models import default_model_path
+
+    folder = tmp_path_factory.mktemp("minilm_no_dropout")
+    shutil.copytree(default_model_path(), folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def data_flags(small_data) -> list[str]:
+    return ["--train_file", str(small_data["train"]), "--validation_file", str(small_data["validation"])]

@@ -1,0 +1,133 @@
+"""The classify recipe end to end, launched as a user launches it."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    FAST_FLAGS,
+    accelerate_cmd,
+    data_flags,
+    max_weight_diff,
+    read_results,
+    read_weights,
+    run,
+    torchrun_cmd,
+)
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from finetune.default_dataset import LABEL_NAMES, make_support_tickets
+
+RESULT_KEYS = {"eval_accuracy", "eval_f1", "eval_loss", "train_loss", "train_runtime", "train_samples_per_second",
+               "epoch", "global_step", "runtime", "world_size"}
+
+
+def predict(folder: Path, texts: list[str], max_length: int) -> list[str]:
+    """What plain transformers predicts with the saved folder, one example at a time."""
+    model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model.eval()
+    labels = []
+    with torch.no_grad():
+        for text in texts:
+            logits = model(**tokenizer(text, truncation=True, max_length=max_length, return_tensors="pt")).logits
+            labels.append(model.config.id2label[int(logits.argmax(-1))])
+    return labels
+
+
+def read_predictions(folder: Path) -> list[str]:
+    return [json.loads(line)["prediction"] for line in (folder / "eval_predictions.jsonl").read_text().splitlines()]
+
+
+def test_default_run_trains_offline_and_saves_a_plain_model(tmp_path):
+    out = tmp_path / "out"
+    result = run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                  "recipes/classify.py", "--max_train_steps", "6", "--output_dir", str(out)])
+
+    results = read_results(out)
+    assert RESULT_KEYS <= results.keys()
+    assert results["runtime"] == "accelerate" and results["world_size"] == 1 and results["global_step"] == 6
+    assert f"saved the model to {out}" in result.stdout and "eval_accuracy" in result.stdout
+
+    weights = read_weights(out)
+    config = json.loads((out / "config.json").read_text())
+    assert list(config["id2label"].values()) == LABEL_NAMES
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights)
+
+    validation = make_support_tickets()["validation"]
+    predicted = predict(out, validation["text"], max_length=128)
+    assert predicted == read_predictions(out)
+    accuracy = sum(p == LABEL_NAMES[y] for p, y in zip(predicted, validation["label"])) / len(validation)
+    assert accuracy == pytest.approx(results["eval_accuracy"], abs=1e-12)
+
+
+@pytest.fixture(scope="session")
+def two_process_accelerate_run(small_data, no_dropout_model, tmp_path_factory):
+    """2 gloo processes through accelerate_configs/cpu_ddp.yaml; 3 epochs, checkpoints every 4 steps."""
+    out = tmp_path_factory.mktemp("accelerate_2proc") / "out"
+    run(accelerate_cmd(*data_flags(small_data), *FAST_FLAGS, "--model_name_or_path", str(no_dropout_model),
+                       "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+                       "--num_train_epochs", "3", "--checkpointing_steps", "4", "--output_dir", str(out)))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_two_processes_evaluate_exactly_like_one(two_process_accelerate_run, small_data):
+    out = two_process_accelerate_run
+    results = read_results(out)
+    assert results["world_size"] == 2 and results["runtime"] == "accelerate"
+    # 42 examples, global batch 8, accumulation 2: 6 micro-batches, 3 optimizer steps per epoch.
+    assert results["global_step"] == 9 and results["epoch"] == 3.0
+
+    with open(small_data["validation"], encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 23
+    predicted = predict(out, [r["text"] for r in rows], max_length=48)
+    assert predicted == read_predictions(out)
+    accuracy = sum(p == r["label"] for p, r in zip(predicted, rows)) / len(rows)
+    assert accuracy == pytest.approx(results["eval_accuracy"], abs=1e-12)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+@pytest.mark.parametrize("group_by_length", [True, False])
+def test_each_process_gets_a_disjoint_shard_covering_every_example(tmp_path, launcher, group_by_length):
+    flags = [str(tmp_path), "--per_device_train_batch_size", "4"] + ([] if group_by_length else ["--no_group_by_length"])
+    launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
+    run(launch(*flags, script="tests/scripts/record_batches.py"))
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    for epoch in range(2):
+        shards = [[i for batch in r["epochs"][epoch] for i in batch] for r in ranks]
+        assert not set(shards[0]) & set(shards[1])
+        assert sorted(shards[0] + shards[1]) == list(range(45))
+    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1], "each epoch has its own shuffle"
+
+
+def test_resume_mid_epoch_two_gives_the_uninterrupted_weights(small_data, tmp_path):
+    common = [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "4",
+              "--gradient_accumulation_steps", "2", "--num_train_epochs", "3", "--seed", "7"]
+    full = tmp_path / "full"
+    # Dropout stays on: resuming must restore the RNG state too.
+    run([sys.executable, "recipes/classify.py", *common, "--output_dir", str(full), "--checkpointing_steps", "4",
+         "--checkpoints_total_limit", "2", "--with_tracking", "--report_to", "tensorboard"])
+    checkpoints = sorted(p.name for p in (full / "checkpoints").iterdir())
+    assert checkpoints == ["step_12", "step_16"], "the limit keeps the newest two"
+    assert list((full / "runs").rglob("events.out.tfevents.*")), "tensorboard got the metrics"
+
+    progress = json.loads((full / "checkpoints" / "step_16" / "progress.json").read_text())
+    # 6 optimizer steps per epoch: step 16 is 4 steps (8 micro-batches) into the third epoch.
+    assert progress["epoch"] == 2 and progress["batches_in_epoch"] == 8
+
+    resumed = tmp_path / "resumed"
+    result = run([sys.executable, "recipes/classify.py", *common, "--output_dir", str(resumed),
+                  "--resume_from_checkpoint", str(full / "checkpoints" / "step_16")])
+    assert "resumed from" in result.stdout
+    assert max_weight_diff(full, resumed) == 0.0
+    assert read_results(resumed)["eval_accuracy"] == read_results(full)["eval_accuracy"]
