@@ -91,6 +91,8 @@ def _load_file(path: str, flag: str) -> datasets.Dataset:
     try:
         return datasets.load_dataset(_FILE_BUILDERS[extension], data_files=path, split="train", **options)
     except Exception as err:  # the builders raise many types (ArrowInvalid, DatasetGenerationError, ...)
+        if "corresponds to no data" in str(err):  # datasets' words for a file with a header and no rows
+            raise UserError(f"{flag} {path} holds no rows; give it at least one example") from None
         cause = err.__cause__ or err
         reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         raise UserError(f"{flag} {path} could not be read as {extension[1:]} ({reason}); fix the file") from None

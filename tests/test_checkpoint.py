@@ -1,0 +1,74 @@
+import logging
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from finetune.checkpoint import (
+    Progress,
+    check_output_dir,
+    find_latest_checkpoint,
+    load_state_dict_unwrapped,
+    prune_checkpoints,
+    resolve_resume_checkpoint,
+    save_model,
+    write_progress,
+)
+from finetune.errors import UserError
+
+
+def make_checkpoint(root, step, complete=True):
+    folder = root / "checkpoints" / f"step_{step}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"x")
+    if complete:
+        write_progress(folder, Progress(global_step=step))
+    return folder
+
+
+def test_latest_is_the_newest_complete_checkpoint(tmp_path):
+    make_checkpoint(tmp_path, 5)
+    newest = make_checkpoint(tmp_path, 10)
+    make_checkpoint(tmp_path, 15, complete=False)
+    (tmp_path / "checkpoints" / "step_20.partial").mkdir()
+    assert find_latest_checkpoint(str(tmp_path)) == newest
+    assert resolve_resume_checkpoint("latest", str(tmp_path)) == newest
+
+
+def test_latest_without_checkpoints_starts_fresh(tmp_path):
+    assert resolve_resume_checkpoint("latest", str(tmp_path)) is None
+
+
+def test_prune_keeps_the_newest_complete_ones(tmp_path):
+    for step in (2, 4, 6, 8):
+        make_checkpoint(tmp_path, step)
+    prune_checkpoints(str(tmp_path), 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_6", "step_8"]
+
+
+def test_output_dir_rules(tmp_path):
+    check_output_dir(str(tmp_path / "new"), overwrite=False, resuming=False)
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(UserError, match="already holds a model"):
+        check_output_dir(str(tmp_path), overwrite=False, resuming=False)
+    check_output_dir(str(tmp_path), overwrite=True, resuming=False)
+
+
+def test_a_wrapped_state_dict_is_refused_at_save_time(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="wrapper prefix"):
+        save_model(model, {"module.weight": model.weight}, None, str(tmp_path), is_main_process=True)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".bin"])
+def test_prefixed_keys_are_repaired_on_load_with_one_warning(tmp_path, caplog, suffix):
+    model = torch.nn.Linear(3, 2)
+    wrapped = {f"module.{k}": v for k, v in model.state_dict().items()}
+    path = tmp_path / f"state{suffix}"
+    save_file(wrapped, path) if suffix == ".safetensors" else torch.save(wrapped, path)
+    with caplog.at_level(logging.WARNING):
+        state = load_state_dict_unwrapped(path)
+    assert sorted(state) == ["bias", "weight"]
+    torch.testing.assert_close(state["weight"], model.weight.detach())
+    assert len([r for r in caplog.records if "module." in r.getMessage()]) == 1
+    torch.nn.Linear(3, 2).load_state_dict(state)

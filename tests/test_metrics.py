@@ -1,0 +1,18 @@
+import pytest
+from sklearn.metrics import f1_score
+
+from finetune.metrics import OfflineAccuracy, OfflineF1, classification_metrics, load_metric
+
+
+def test_offline_modules_are_used_when_offline_and_compute_sklearn_numbers():
+    assert isinstance(load_metric("accuracy"), OfflineAccuracy)  # conftest sets HF_HUB_OFFLINE=1
+    assert isinstance(load_metric("f1"), OfflineF1)
+    predictions, references = [0, 1, 2, 2, 1, 0, 2], [0, 2, 2, 2, 1, 1, 0]
+    metrics = classification_metrics(predictions, references, num_labels=3)
+    assert metrics["accuracy"] == pytest.approx(4 / 7)
+    assert metrics["f1"] == pytest.approx(f1_score(references, predictions, average="macro"))
+
+
+def test_two_classes_use_binary_f1():
+    # precision 1/2, recall 1/1 for class 1.
+    assert classification_metrics([1, 1, 0, 0], [1, 0, 0, 0], num_labels=2)["f1"] == pytest.approx(2 / 3)
