@@ -114,3 +114,34 @@ def no_dropout_model(tmp_path_factory) -> Path:
 
 def data_flags(small_data) -> list[str]:
     return ["--train_file", str(small_data["train"]), "--validation_file", str(small_data["validation"])]
+
+
+def parity_flags(small_data, model: Path, per_device_batch: int, group_by_length: bool = True) -> list[str]:
+    flags = [*data_flags(small_data), *FAST_FLAGS, "--model_name_or_path", str(model),
+             "--per_device_train_batch_size", str(per_device_batch), "--gradient_accumulation_steps", "2",
+             "--num_train_epochs", "3", "--checkpointing_steps", "4"]
+    return flags + ([] if group_by_length else ["--no_group_by_length"])
+
+
+@pytest.fixture(scope="session")
+def parity_runs(small_data, no_dropout_model, tmp_path_factory):
+    """Training runs for comparisons, each made once per session and shared.
+
+    ``parity_runs(launcher, processes, per_device_batch, group_by_length=True)`` returns the output
+    folder. Every run: 42 examples in global batches of 8 (the last of each epoch short), accumulation
+    of 2, 3 epochs, checkpoints every 4 steps, dropout off.
+    """
+    made: dict[tuple, Path] = {}
+
+    def get(launcher: str, processes: int, per_device_batch: int, group_by_length: bool = True) -> Path:
+        key = (launcher, processes, per_device_batch, group_by_length)
+        if key not in made:
+            out = tmp_path_factory.mktemp("_".join(map(str, key))) / "out"
+            flags = [*parity_flags(small_data, no_dropout_model, per_device_batch, group_by_length),
+                     "--output_dir", str(out)]
+            launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
+            run(launch(*flags, **({"num_processes": processes} if launcher == "accelerate" else {"nproc": processes})))
+            made[key] = out
+        return made[key]
+
+    return get

@@ -67,19 +67,9 @@ def test_default_run_trains_offline_and_saves_a_plain_model(tmp_path):
     assert accuracy == pytest.approx(results["eval_accuracy"], abs=1e-12)
 
 
-@pytest.fixture(scope="session")
-def two_process_accelerate_run(small_data, no_dropout_model, tmp_path_factory):
-    """2 gloo processes through accelerate_configs/cpu_ddp.yaml; 3 epochs, checkpoints every 4 steps."""
-    out = tmp_path_factory.mktemp("accelerate_2proc") / "out"
-    run(accelerate_cmd(*data_flags(small_data), *FAST_FLAGS, "--model_name_or_path", str(no_dropout_model),
-                       "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-                       "--num_train_epochs", "3", "--checkpointing_steps", "4", "--output_dir", str(out)))
-    return out
-
-
 @pytest.mark.multiprocess
-def test_two_processes_evaluate_exactly_like_one(two_process_accelerate_run, small_data):
-    out = two_process_accelerate_run
+def test_two_processes_evaluate_exactly_like_one(parity_runs, small_data):
+    out = parity_runs("accelerate", 2, 4)
     results = read_results(out)
     assert results["world_size"] == 2 and results["runtime"] == "accelerate"
     # 42 examples, global batch 8, accumulation 2: 6 micro-batches, 3 optimizer steps per epoch.

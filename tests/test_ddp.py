@@ -1,0 +1,107 @@
+"""The raw-DDP path under torchrun, and its agreement with the Accelerate path, with real processes."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+from conftest import (
+    FAST_FLAGS,
+    RECIPE,
+    accelerate_cmd,
+    data_flags,
+    free_port,
+    max_weight_diff,
+    parity_flags,
+    read_results,
+    run,
+    torchrun_cmd,
+)
+from transformers import AutoModelForSequenceClassification
+
+pytestmark = pytest.mark.multiprocess
+METRICS = ("eval_accuracy", "eval_f1")
+
+
+def test_torchrun_selects_raw_ddp_and_matches_accelerate(parity_runs):
+    # Dropout is off in these runs (see conftest.no_dropout_model): the comparison is of arithmetic.
+    accelerate, ddp = parity_runs("accelerate", 2, 4), parity_runs("torchrun", 2, 4)
+    ddp_results, accelerate_results = read_results(ddp), read_results(accelerate)
+    assert (ddp_results["runtime"], ddp_results["world_size"]) == ("ddp", 2)
+    assert (accelerate_results["runtime"], accelerate_results["world_size"]) == ("accelerate", 2)
+    assert ddp_results["global_step"] == accelerate_results["global_step"] == 9
+    assert max_weight_diff(accelerate, ddp) <= 1e-5
+    for key in (*METRICS, "eval_loss"):
+        assert ddp_results[key] == pytest.approx(accelerate_results[key], abs=1e-6)
+    assert not [k for k in AutoModelForSequenceClassification.from_pretrained(ddp).state_dict()
+                if k.startswith("module.")]
+
+
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+@pytest.mark.parametrize("group_by_length", [True, False], ids=["grouped", "ungrouped"])
+def test_one_process_with_batch_2b_equals_two_with_batch_b(parity_runs, launcher, group_by_length):
+    one = parity_runs(launcher, 1, 8, group_by_length)
+    two = parity_runs(launcher, 2, 4, group_by_length)
+    assert read_results(one)["world_size"] == 1 and read_results(two)["world_size"] == 2
+    assert max_weight_diff(one, two) <= 1e-4
+
+
+def test_eval_metrics_are_identical_for_world_sizes_1_2_3(small_data, no_dropout_model, tmp_path):
+    results = []
+    for world_size, batch in ((1, 6), (2, 3), (3, 2)):  # the same global batch, so the same training
+        out = tmp_path / f"ws{world_size}"
+        run(torchrun_cmd(*data_flags(small_data), *FAST_FLAGS, "--model_name_or_path", str(no_dropout_model),
+                         "--per_device_train_batch_size", str(batch), "--per_device_eval_batch_size", "4",
+                         "--max_train_steps", "2", "--output_dir", str(out), nproc=world_size))
+        results.append(read_results(out))
+    assert [r["world_size"] for r in results] == [1, 2, 3]
+    for r in results[1:]:
+        assert {k: r[k] for k in METRICS} == {k: results[0][k] for k in METRICS}
+        assert r["eval_loss"] == pytest.approx(results[0]["eval_loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize(("written_by", "resumed_by"), [("accelerate", "torchrun"), ("torchrun", "accelerate")])
+def test_a_checkpoint_resumes_under_the_other_runtime(parity_runs, small_data, no_dropout_model, tmp_path,
+                                                      written_by, resumed_by):
+    checkpoint = parity_runs(written_by, 2, 4) / "checkpoints" / "step_4"  # one step into the second epoch
+    resumed = tmp_path / "resumed"
+    launch = accelerate_cmd if resumed_by == "accelerate" else torchrun_cmd
+    run(launch(*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(resumed),
+               "--resume_from_checkpoint", str(checkpoint)))
+    assert read_results(resumed)["runtime"] == ("accelerate" if resumed_by == "accelerate" else "ddp")
+    assert max_weight_diff(parity_runs(resumed_by, 2, 4), resumed) <= 1e-5
+
+
+def test_two_torchrun_launchers_form_one_two_node_job(small_data, no_dropout_model, tmp_path):
+    import subprocess
+
+    port = free_port()
+    out = tmp_path / "out"
+    args = [*data_flags(small_data), *FAST_FLAGS, "--model_name_or_path", str(no_dropout_model),
+            "--per_device_train_batch_size", "4", "--max_train_steps", "2", "--output_dir", str(out)]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes",
+                               RECIPE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    results = read_results(out)
+    assert (results["world_size"], results["runtime"], results["global_step"]) == (2, "ddp", 2)
+
+
+def test_a_rank_that_raises_ends_the_whole_job(tmp_path):
+    start = time.monotonic()
+    result = run(torchrun_cmd("--ddp_timeout", "60", script="tests/scripts/failing_rank.py"), check=False,
+                 timeout=120)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "rank 1 failed on purpose at step 3" in result.stdout + result.stderr
+
+
+def test_the_readme_example_script_trains_under_torchrun(tmp_path):
+    out = tmp_path / "model"
+    result = run(torchrun_cmd(str(out), script="examples/raw_ddp.py"))
+    assert "over 2 processes" in result.stdout
+    model, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
