@@ -170,7 +170,7 @@ class DDPRuntime(Runtime):
             raise UserError(f"--report_to {cfg.report_to} is not supported by --runtime ddp; use tensorboard")
 
     def train_loader(self, dataset, sampler, collate_fn):
-        sampler.rank = self.rank
+        sampler.rank = self.rank  # no loader shards for us: the sampler yields this rank's shares only
         self.train_sampler = sampler
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, generator=own_generator(self.seed),
                           pin_memory=self.device.type == "cuda")

@@ -154,7 +154,8 @@ def main(argv=None):
                     interval.zero_()
                     last_log = now
                     runtime.log(logs, step=progress.global_step)
-                    progress_bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}")
+                    progress_bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
+                                             samples_per_s=f"{logs['samples_per_second']:.1f}")
                 if cfg.eval_steps and progress.global_step % cfg.eval_steps == 0:
                     metrics, eval_predictions = evaluate(runtime, model, eval_loader, len(data.label_names))
                     runtime.log(metrics, step=progress.global_step)
@@ -163,7 +164,7 @@ def main(argv=None):
                     runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)
                 if progress.global_step >= max_steps:
                     break
-            else:
+            if progress.batches_in_epoch == sampler.batches_per_rank:
                 progress.epoch, progress.batches_in_epoch = epoch + 1, 0
                 if cfg.checkpointing_steps == "epoch":
                     runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)
@@ -175,6 +176,8 @@ def main(argv=None):
                 break
         progress_bar.close()
         train_runtime = time.perf_counter() - start
+        if eval_predictions is None:  # resumed from a checkpoint taken after the last step
+            metrics, eval_predictions = evaluate(runtime, model, eval_loader, len(data.label_names))
 
         # Save: every process reaches this point, the main process writes an unwrapped model.
         runtime.wait_for_everyone()

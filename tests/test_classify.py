@@ -121,3 +121,18 @@ def test_resume_mid_epoch_two_gives_the_uninterrupted_weights(small_data, tmp_pa
     assert "resumed from" in result.stdout
     assert max_weight_diff(full, resumed) == 0.0
     assert read_results(resumed)["eval_accuracy"] == read_results(full)["eval_accuracy"]
+
+
+def test_resuming_from_the_final_checkpoint_saves_the_same_model(small_data, tmp_path):
+    common = [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "8", "--num_train_epochs", "1"]
+    first = tmp_path / "first"
+    run([sys.executable, "recipes/classify.py", *common, "--output_dir", str(first), "--checkpointing_steps", "epoch"])
+    final_checkpoint = first / "checkpoints" / "step_6"  # 42 examples in batches of 8: 6 steps
+    assert json.loads((final_checkpoint / "progress.json").read_text())["epoch"] == 1
+
+    again = tmp_path / "again"
+    run([sys.executable, "recipes/classify.py", *common, "--output_dir", str(again),
+         "--resume_from_checkpoint", str(final_checkpoint)])
+    assert max_weight_diff(first, again) == 0.0
+    assert read_predictions(again) == read_predictions(first)
+    assert read_results(again)["global_step"] == 6
