@@ -104,7 +104,9 @@ def prune_checkpoints(output_dir: str, limit: int | None) -> None:
     if limit is None:
         return
     root = Path(output_dir) / "checkpoints"
-    complete = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and _is_complete(p))
+    complete = sorted(
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and _is_complete(p)
+    )
     for _, folder in complete[:-limit]:
         shutil.rmtree(folder)
 

@@ -91,7 +91,9 @@ class ClassifyConfig:
             raise UserError(f"--learning_rate is {self.learning_rate}; it must be positive")
         schedulers = [s.value for s in SchedulerType]
         if self.lr_scheduler_type not in schedulers:
-            raise UserError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown; use one of {', '.join(schedulers)}")
+            raise UserError(
+                f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown; use one of {', '.join(schedulers)}"
+            )
         if self.checkpointing_steps is not None:
             self.checkpointing_steps = str(self.checkpointing_steps)
             if self.checkpointing_steps != "epoch" and not (

@@ -21,7 +21,6 @@ import os
 import random
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import torch

@@ -49,7 +49,7 @@ def evaluate(runtime, model, eval_loader, num_labels):
             gathered = runtime.gather_for_metrics(
                 (logits.argmax(-1), labels, F.cross_entropy(logits, labels, reduction="none"))
             )
-            for store, values in zip((predictions, references, losses), gathered):
+            for store, values in zip((predictions, references, losses), gathered, strict=True):
                 store.append(values.cpu())
     predictions, references = torch.cat(predictions), torch.cat(references)
     metrics = classification_metrics(predictions.tolist(), references.tolist(), num_labels)

@@ -63,7 +63,7 @@ def test_default_run_trains_offline_and_saves_a_plain_model(tmp_path):
     validation = make_support_tickets()["validation"]
     predicted = predict(out, validation["text"], max_length=128)
     assert predicted == read_predictions(out)
-    accuracy = sum(p == LABEL_NAMES[y] for p, y in zip(predicted, validation["label"])) / len(validation)
+    accuracy = sum(p == LABEL_NAMES[y] for p, y in zip(predicted, validation["label"], strict=True)) / len(validation)
     assert accuracy == pytest.approx(results["eval_accuracy"], abs=1e-12)
 
 
@@ -80,7 +80,7 @@ def test_two_processes_evaluate_exactly_like_one(parity_runs, small_data):
     assert len(rows) == 23
     predicted = predict(out, [r["text"] for r in rows], max_length=48)
     assert predicted == read_predictions(out)
-    accuracy = sum(p == r["label"] for p, r in zip(predicted, rows)) / len(rows)
+    accuracy = sum(p == r["label"] for p, r in zip(predicted, rows, strict=True)) / len(rows)
     assert accuracy == pytest.approx(results["eval_accuracy"], abs=1e-12)
 
 
@@ -88,7 +88,8 @@ def test_two_processes_evaluate_exactly_like_one(parity_runs, small_data):
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 @pytest.mark.parametrize("group_by_length", [True, False])
 def test_each_process_gets_a_disjoint_shard_covering_every_example(tmp_path, launcher, group_by_length):
-    flags = [str(tmp_path), "--per_device_train_batch_size", "4"] + ([] if group_by_length else ["--no_group_by_length"])
+    flags = [str(tmp_path), "--per_device_train_batch_size", "4"]
+    flags += [] if group_by_length else ["--no_group_by_length"]
     launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
     run(launch(*flags, script="tests/scripts/record_batches.py"))
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
