@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import datasets
 import torch
+from huggingface_hub import constants
 from torch.utils.data import Dataset, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
@@ -104,7 +105,7 @@ def _load_hub_dataset(cfg: ClassifyConfig) -> datasets.DatasetDict:
             cfg.dataset_name, cfg.dataset_config_name, trust_remote_code=cfg.trust_remote_code or None
         )
     except Exception as err:
-        offline = " (HF_HUB_OFFLINE is set: use a cached dataset or --train_file)" if _offline() else ""
+        offline = " (HF_HUB_OFFLINE is set: use a cached dataset or --train_file)" if constants.HF_HUB_OFFLINE else ""
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(f"--dataset_name {cfg.dataset_name} could not be loaded{offline}: {first_line}") from None
     if "train" not in raw or "validation" not in raw:
@@ -114,21 +115,14 @@ def _load_hub_dataset(cfg: ClassifyConfig) -> datasets.DatasetDict:
     return raw
 
 
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_OFFLINE
-
-
 def _encode_labels(train: datasets.Dataset, validation: datasets.Dataset, column: str):
     feature = train.features[column]
     if isinstance(feature, datasets.ClassLabel):
         names = list(feature.names)
         encode = None
     else:
-        train_values = _label_values(train, column, "train")
-        names = [str(v) for v in sorted(set(train_values))]
-        encode = {str(v): i for i, v in enumerate(sorted(set(train_values)))}
+        names = [str(v) for v in sorted(set(_label_values(train, column, "train")))]
+        encode = {name: i for i, name in enumerate(names)}
     if len(names) < 2:
         raise UserError(f"training labels have a single class ({names[0]!r}); classification needs at least two")
     if encode is None:

@@ -121,7 +121,7 @@ def main(argv=None):
         interval = torch.zeros(2, device=runtime.device)  # loss sum, examples since the last log
         total_loss, total_examples = 0.0, 0
         start = last_log = time.perf_counter()
-        metrics, eval_predictions = {}, None
+        metrics, eval_predictions, evaluated_at = {}, None, None
         for epoch in range(progress.epoch, num_epochs):
             progress.epoch = epoch
             model.train()
@@ -158,6 +158,7 @@ def main(argv=None):
                                              samples_per_s=f"{logs['samples_per_second']:.1f}")
                 if cfg.eval_steps and progress.global_step % cfg.eval_steps == 0:
                     metrics, eval_predictions = evaluate(runtime, model, eval_loader, len(data.label_names))
+                    evaluated_at = progress.global_step
                     runtime.log(metrics, step=progress.global_step)
                     model.train()
                 if cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0:
@@ -169,14 +170,16 @@ def main(argv=None):
                 if cfg.checkpointing_steps == "epoch":
                     runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)
 
-            metrics, eval_predictions = evaluate(runtime, model, eval_loader, len(data.label_names))
-            runtime.log(metrics, step=progress.global_step)
+            if evaluated_at != progress.global_step:  # --eval_steps may have just evaluated this model
+                metrics, eval_predictions = evaluate(runtime, model, eval_loader, len(data.label_names))
+                evaluated_at = progress.global_step
+                runtime.log(metrics, step=progress.global_step)
             runtime.print(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
             if progress.global_step >= max_steps:
                 break
         progress_bar.close()
         train_runtime = time.perf_counter() - start
-        if eval_predictions is None:  # resumed from a checkpoint taken after the last step
+        if evaluated_at != progress.global_step:  # resumed from a checkpoint taken after the last step
             metrics, eval_predictions = evaluate(runtime, model, eval_loader, len(data.label_names))
 
         # Save: every process reaches this point, the main process writes an unwrapped model.
