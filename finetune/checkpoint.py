@@ -78,8 +78,13 @@ def find_latest_checkpoint(output_dir: str) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def resolve_resume_checkpoint(value: str | None, output_dir: str) -> Path | None:
+def resolve_resume_checkpoint(
+    value: str | None, output_dir: str, hub_revision: str | None = None, hub_token: str | None = None
+) -> Path | None:
     """The folder ``--resume_from_checkpoint`` names; ``latest`` with no checkpoint yet means a fresh start.
+
+    ``hub:ORG/NAME`` downloads the repository's ``last-checkpoint/`` (pushed with ``--hub_strategy
+    checkpoint``) from ``hub_revision``.
 
     Raises:
         UserError: the path is not a complete checkpoint.
@@ -88,6 +93,10 @@ def resolve_resume_checkpoint(value: str | None, output_dir: str) -> Path | None
         return None
     if value == "latest":
         return find_latest_checkpoint(output_dir)
+    if value.startswith("hub:"):
+        from finetune.hub import download_last_checkpoint
+
+        value = str(download_last_checkpoint(value, hub_revision, hub_token))
     folder = Path(value)
     if not folder.is_dir():
         raise UserError(f"--resume_from_checkpoint {value}: no such folder; give a checkpoint folder or 'latest'")

