@@ -6,6 +6,8 @@ same numbers (both call scikit-learn, as the Hub's do) and are used when the Hub
 
 from __future__ import annotations
 
+import functools
+
 import datasets
 import evaluate
 from huggingface_hub import constants
@@ -51,8 +53,9 @@ class OfflineF1(evaluate.Metric):
 _OFFLINE = {"accuracy": OfflineAccuracy, "f1": OfflineF1}
 
 
+@functools.cache
 def load_metric(name: str) -> evaluate.EvaluationModule:
-    """The Hub's ``evaluate`` module when it can be had, else the offline equivalent."""
+    """The Hub's ``evaluate`` module when it can be had, else the offline equivalent; loaded once per process."""
     if not constants.HF_HUB_OFFLINE:
         try:
             return evaluate.load(name, keep_in_memory=True)
