@@ -1,19 +1,23 @@
 """Where checkpoints live, what makes one complete, and saving a model without its wrapper.
 
 Layout under ``OUTPUT_DIR``: the final model (a plain Hugging Face folder) at the top, full training
-states in ``checkpoints/step_N``. A checkpoint is written into ``step_N.partial`` and renamed into place
-only once every file is there, with ``progress.json`` written last, so a folder named ``step_N`` is
-always complete.
+states in ``checkpoints/step_N``. A checkpoint is written into ``step_N.partial``; once every file is
+there and flushed to disk, ``manifest.json`` (step, epoch, world size, seed, versions and a SHA-256 of
+each file) is written last and the folder is renamed into place. A folder named ``step_N`` with a
+manifest is complete, and it is used only if every checksum still matches.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import sys
 from dataclasses import asdict, dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -24,6 +28,8 @@ from finetune.errors import UserError
 __all__ = [
     "Progress",
     "check_output_dir",
+    "verify_checkpoint",
+    "write_manifest",
     "checkpoint_path",
     "find_latest_checkpoint",
     "load_state_dict_unwrapped",
@@ -37,6 +43,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PROGRESS_FILE = "progress.json"
+MANIFEST_FILE = "manifest.json"
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -51,6 +58,7 @@ class Progress:
     """Micro-batches each rank has consumed in ``epoch``."""
     world_size: int = 1
     runtime: str = ""
+    seed: int = 0
 
 
 def checkpoint_path(output_dir: str, step: int) -> Path:
@@ -65,17 +73,71 @@ def read_progress(folder: Path) -> Progress:
     return Progress(**json.loads((Path(folder) / PROGRESS_FILE).read_text()))
 
 
+def _sha256_and_sync(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+        os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path, progress: Progress) -> None:
+    """Flush every file in ``folder`` to disk and record its checksum; call once the folder is complete."""
+    files = {p.relative_to(folder).as_posix(): _sha256_and_sync(p) for p in sorted(folder.rglob("*"))
+             if p.is_file() and p.name != MANIFEST_FILE}
+    manifest = {**asdict(progress), "finetune_version": version("finetune"), "torch_version": torch.__version__,
+                "files": files}
+    with open(folder / MANIFEST_FILE, "w") as f:
+        json.dump(manifest, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_checkpoint(folder: Path) -> None:
+    """Check every file the manifest lists against its checksum.
+
+    Raises:
+        UserError: no manifest (an incomplete checkpoint), or a file missing or changed, named.
+    """
+    manifest_path = Path(folder) / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise UserError(f"{folder} is not a complete checkpoint (no {MANIFEST_FILE}); "
+                        "pick a checkpoints/step_N folder or use 'latest'")
+    for name, expected in json.loads(manifest_path.read_text())["files"].items():
+        path = Path(folder) / name
+        if not path.is_file():
+            raise UserError(f"checkpoint file {path} is missing; resume from another checkpoint")
+        if _sha256_and_sync(path) != expected:
+            raise UserError(f"checkpoint file {path} is damaged (its checksum does not match the manifest); "
+                            "resume from another checkpoint")
+
+
 def _is_complete(folder: Path) -> bool:
-    return (folder / PROGRESS_FILE).is_file() and (folder / "model.safetensors").is_file()
+    return (folder / MANIFEST_FILE).is_file()
+
+
+def _complete_checkpoints(output_dir: str) -> list[tuple[int, Path]]:
+    """(step, folder) of every checkpoint with a manifest, oldest first."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and _is_complete(p))
 
 
 def find_latest_checkpoint(output_dir: str) -> Path | None:
-    """The complete checkpoint with the highest step under ``output_dir/checkpoints``, or None."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return None
-    steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and _is_complete(p)]
-    return max(steps)[1] if steps else None
+    """The newest checkpoint under ``output_dir/checkpoints`` whose files all verify, or None.
+
+    A damaged newer checkpoint is skipped with a warning naming the file.
+    """
+    for _, folder in reversed(_complete_checkpoints(output_dir)):
+        try:
+            verify_checkpoint(folder)
+        except UserError as err:
+            print(f"warning: skipping {folder}: {err}", file=sys.stderr, flush=True)
+            continue
+        return folder
+    return None
 
 
 def resolve_resume_checkpoint(
@@ -84,11 +146,14 @@ def resolve_resume_checkpoint(
     """The folder ``--resume_from_checkpoint`` names; ``latest`` with no checkpoint yet means a fresh start.
 
     ``hub:ORG/NAME`` downloads the repository's ``last-checkpoint/`` (pushed with ``--hub_strategy
-    checkpoint``) from ``hub_revision``.
+    checkpoint``) from ``hub_revision``. A job that torchrun (or ``accelerate launch --max_restarts``)
+    restarted after a failure resumes from ``latest`` without being asked.
 
     Raises:
         UserError: the path is not a complete checkpoint.
     """
+    if value is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        value = "latest"
     if value is None:
         return None
     if value == "latest":
@@ -100,11 +165,7 @@ def resolve_resume_checkpoint(
     folder = Path(value)
     if not folder.is_dir():
         raise UserError(f"--resume_from_checkpoint {value}: no such folder; give a checkpoint folder or 'latest'")
-    if not _is_complete(folder):
-        raise UserError(
-            f"--resume_from_checkpoint {value} is not a complete checkpoint (no {PROGRESS_FILE} or "
-            "model.safetensors); pick a checkpoints/step_N folder or use 'latest'"
-        )
+    verify_checkpoint(folder)
     return folder
 
 
@@ -112,11 +173,7 @@ def prune_checkpoints(output_dir: str, limit: int | None) -> None:
     """Delete the oldest complete checkpoints so that at most ``limit`` remain."""
     if limit is None:
         return
-    root = Path(output_dir) / "checkpoints"
-    complete = sorted(
-        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and _is_complete(p)
-    )
-    for _, folder in complete[:-limit]:
+    for _, folder in _complete_checkpoints(output_dir)[:-limit]:
         shutil.rmtree(folder)
 
 

@@ -78,8 +78,23 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
     if world_size > 1 and not dist.is_initialized():
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         # device_id binds NCCL's communicator to this GPU eagerly, so a mismatch fails here, not mid-run.
-        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+        dist.init_process_group(backend, store=_attempt_store(timeout), rank=rank, world_size=world_size,
+                                timeout=timeout, device_id=device if backend == "nccl" else None)
     return DistributedInfo(rank, local_rank, world_size, device)
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store:
+    """The rendezvous store, with a key space of its own for this restart attempt.
+
+    torchrun's agent keeps one store across restarts. Without a prefix, the workers of a restarted
+    attempt read the dead attempt's peer addresses and fail to connect ("Connection refused") or hang.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    world_size = int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_hosts_store and int(os.environ["RANK"]) == 0, timeout=timeout)
+    return dist.PrefixStore(f"finetune/attempt_{attempt}", store)
 
 
 def destroy_distributed() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from finetune.checkpoint import Progress, checkpoint_path, prune_checkpoints, write_progress
+from finetune.checkpoint import Progress, checkpoint_path, prune_checkpoints, write_manifest, write_progress
 from finetune.config import ClassifyConfig
 from finetune.data import GlobalBatchSampler
 from finetune.errors import UserError
@@ -124,12 +124,23 @@ class Runtime(ABC):
         self.wait_for_everyone()
         if self.is_main_process:
             write_progress(partial, progress)
+            write_manifest(partial, progress)
             if final.exists():  # an earlier run of the same step, e.g. before a restart
                 shutil.rmtree(final)
             partial.rename(final)
+            _fsync_directory(final.parent)
             prune_checkpoints(output_dir, keep)
         self.wait_for_everyone()
         return final
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def own_generator(seed: int) -> torch.Generator:
@@ -170,10 +181,17 @@ class AccelerateRuntime(Runtime):
         self._train_sampler: GlobalBatchSampler | None = None
         self.seed = cfg.seed
         launched = int(os.environ.get("WORLD_SIZE", "1"))
+        cpu = not torch.accelerator.is_available()
+        if launched > 1 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            # Accelerate would join through the store the dead attempt left behind; it adopts a group
+            # that already exists, so form a fresh one for this attempt first.
+            from finetune.ddp import init_distributed
+
+            init_distributed("gloo" if cpu else None, timedelta(seconds=cfg.ddp_timeout))
         self.accelerator = Accelerator(
             # Without cpu=True a multi-process launch on a machine with no accelerator starts processes
             # that each train alone; with it they form one gloo group.
-            cpu=not torch.accelerator.is_available(),
+            cpu=cpu,
             mixed_precision=cfg.mixed_precision,
             gradient_accumulation_steps=cfg.gradient_accumulation_steps,
             # Our scheduler counts optimizer steps, the same at any world size; Accelerate would step it

@@ -106,7 +106,7 @@ def main(argv=None):
             model, optimizer, scheduler, train_loader, eval_loader
         )
 
-        progress = Progress(world_size=runtime.world_size, runtime=runtime.name)
+        progress = Progress(world_size=runtime.world_size, runtime=runtime.name, seed=cfg.seed)
         if resume_from:
             progress = read_progress(resume_from)
             if progress.world_size != runtime.world_size:

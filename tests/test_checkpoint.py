@@ -12,6 +12,8 @@ from finetune.checkpoint import (
     prune_checkpoints,
     resolve_resume_checkpoint,
     save_model,
+    verify_checkpoint,
+    write_manifest,
     write_progress,
 )
 from finetune.errors import UserError
@@ -20,9 +22,11 @@ from finetune.errors import UserError
 def make_checkpoint(root, step, complete=True):
     folder = root / "checkpoints" / f"step_{step}"
     folder.mkdir(parents=True)
-    (folder / "model.safetensors").write_bytes(b"x")
+    (folder / "model.safetensors").write_bytes(b"weights" * 100)
+    (folder / "optimizer.bin").write_bytes(b"moments" * 100)
+    write_progress(folder, Progress(global_step=step))
     if complete:
-        write_progress(folder, Progress(global_step=step))
+        write_manifest(folder, Progress(global_step=step, world_size=2, seed=7))
     return folder
 
 
@@ -72,3 +76,36 @@ def test_prefixed_keys_are_repaired_on_load_with_one_warning(tmp_path, caplog, s
     torch.testing.assert_close(state["weight"], model.weight.detach())
     assert len([r for r in caplog.records if "module." in r.getMessage()]) == 1
     torch.nn.Linear(3, 2).load_state_dict(state)
+
+
+def test_the_manifest_records_progress_versions_and_checksums(tmp_path):
+    import hashlib
+    import json
+
+    folder = make_checkpoint(tmp_path, 4)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert (manifest["global_step"], manifest["world_size"], manifest["seed"]) == (4, 2, 7)
+    assert manifest["torch_version"] == torch.__version__ and manifest["finetune_version"]
+    assert manifest["files"]["optimizer.bin"] == hashlib.sha256(b"moments" * 100).hexdigest()
+    assert sorted(manifest["files"]) == ["model.safetensors", "optimizer.bin", "progress.json"]
+    verify_checkpoint(folder)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_a_damaged_file_is_refused_by_name_and_latest_falls_back(tmp_path, capsys, damage):
+    older = make_checkpoint(tmp_path, 4)
+    newer = make_checkpoint(tmp_path, 8)
+    target = newer / "optimizer.bin"
+    if damage == "truncate":
+        target.write_bytes(target.read_bytes()[:10])
+    elif damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[5] ^= 0xFF
+        target.write_bytes(bytes(data))
+    else:
+        target.unlink()
+    with pytest.raises(UserError, match=r"step_8/optimizer\.bin is (damaged|missing)"):
+        resolve_resume_checkpoint(str(newer), str(tmp_path))
+    assert resolve_resume_checkpoint("latest", str(tmp_path)) == older
+    warning = capsys.readouterr().err
+    assert "warning: skipping" in warning and "step_8/optimizer.bin" in warning

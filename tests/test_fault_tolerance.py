@@ -1,0 +1,115 @@
+"""Losing nothing when a job dies: processes really killed, checkpoints really damaged."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import FAST_FLAGS, REPO, data_flags, max_weight_diff, read_results, run, torchrun_cmd
+
+from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
+
+
+def training_flags(small_data, out) -> list[str]:
+    # 42 examples in batches of 8: 6 steps an epoch, 12 in all; a checkpoint every 2 steps.
+    return [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "8", "--num_train_epochs", "2",
+            "--checkpointing_steps", "2", "--output_dir", str(out)]
+
+
+def wait_for(path, process, timeout=120.0, interval=0.002):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, "the run ended before reaching the point to kill it"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(interval)
+
+
+def test_a_kill_while_a_checkpoint_is_written_loses_nothing(small_data, tmp_path):
+    uninterrupted = tmp_path / "uninterrupted"
+    run([sys.executable, "recipes/classify.py", *training_flags(small_data, uninterrupted)])
+
+    out = tmp_path / "out"
+    command = [sys.executable, "recipes/classify.py", *training_flags(small_data, out)]
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    partial = out / "checkpoints" / "step_6.partial"
+    # The weights land first; the optimizer state and the manifest follow. Freeze the job there.
+    wait_for(partial / "model.safetensors", job)
+    os.killpg(job.pid, signal.SIGSTOP)
+    assert not (partial / "manifest.json").exists() and not (out / "checkpoints" / "step_6").exists()
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+
+    assert partial.is_dir(), "the half-written checkpoint is still there"
+    latest = find_latest_checkpoint(str(out))
+    assert latest.name == "step_4", "a partial checkpoint is never taken for a complete one"
+    verify_checkpoint(latest)
+
+    resumed = run(command + ["--resume_from_checkpoint", "latest"])
+    assert "resumed from" in resumed.stdout and "step_4" in resumed.stdout
+    assert not partial.exists()
+    assert max_weight_diff(uninterrupted, out) == 0.0
+
+
+def test_a_damaged_checkpoint_is_refused_by_name(small_data, tmp_path):
+    out = tmp_path / "out"
+    flags = training_flags(small_data, out)
+    flags[flags.index("--num_train_epochs") + 1] = "1"
+    run([sys.executable, "recipes/classify.py", *flags, "--max_train_steps", "4"])
+    optimizer = out / "checkpoints" / "step_4" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:1000])
+    result = run([sys.executable, "recipes/classify.py", *flags, "--resume_from_checkpoint",
+                  str(out / "checkpoints" / "step_4")], check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"checkpoint file {optimizer} is damaged" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.multiprocess
+def test_resuming_with_another_world_size_stops_with_the_reason(small_data, tmp_path):
+    out = tmp_path / "out"
+    flags = training_flags(small_data, out)
+    run([sys.executable, "recipes/classify.py", *flags, "--max_train_steps", "2"])
+    result = run(torchrun_cmd(*flags, "--resume_from_checkpoint", str(out / "checkpoints" / "step_2")),
+                 check=False)
+    assert result.returncode != 0
+    assert "was written by 1 processes and this run has 2" in result.stderr
+    assert read_results(out)["global_step"] == 2, "the earlier run's results are untouched"
+
+
+def kill_rank_after(job: subprocess.Popen, checkpoint, rank: int = 1) -> None:
+    """SIGKILL the worker process of ``rank`` once ``checkpoint`` exists."""
+    import psutil
+
+    wait_for(checkpoint, job)
+    workers = [p for p in psutil.Process(job.pid).children(recursive=True)
+               if p.environ().get("RANK") == str(rank) and "classify.py" in " ".join(p.cmdline())]
+    assert len(workers) == 1, workers
+    workers[0].send_signal(signal.SIGKILL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_a_killed_worker_is_restarted_and_the_job_finishes_as_if_never_killed(
+    parity_runs, small_data, no_dropout_model, tmp_path, launcher
+):
+    from conftest import accelerate_cmd, parity_flags
+
+    out = tmp_path / "out"
+    flags = [*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(out)]
+    if launcher == "torchrun":
+        command = torchrun_cmd(*flags)
+        command.insert(command.index("--nproc_per_node"), "--max-restarts=1")
+    else:
+        command = accelerate_cmd(*flags)
+        command.insert(command.index("--config_file"), "--max_restarts=1")
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Checkpoints every 4 steps: kill rank 1 once the second one (step 8) is complete.
+    kill_rank_after(job, out / "checkpoints" / "step_8" / "manifest.json")
+    output, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, output[-4000:]
+    assert "resumed from" in output and "step_8" in output
+    assert max_weight_diff(parity_runs("torchrun", 2, 4), out) <= 1e-5
