@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from finetune.checkpoint import Progress, checkpoint_path, prune_checkpoints, write_manifest, write_progress
@@ -27,6 +28,9 @@ from finetune.errors import UserError
 __all__ = ["AccelerateRuntime", "Runtime", "make_runtime", "own_generator", "started_by_torchrun"]
 
 
+SAVE_WAIT = timedelta(days=7)
+
+
 class Runtime(ABC):
     """What a recipe needs from a distributed runtime. Use it as a context manager."""
 
@@ -34,6 +38,7 @@ class Runtime(ABC):
     world_size: int
     rank: int
     device: torch.device
+    _save_group = None
 
     @property
     def is_main_process(self) -> bool:
@@ -92,6 +97,18 @@ class Runtime(ABC):
     @abstractmethod
     def wait_for_everyone(self) -> None: ...
 
+    def wait_for_save(self) -> None:
+        """Wait for the main process to finish writing files, however long that takes.
+
+        A plain barrier is a collective bound by ``--ddp_timeout`` (and NCCL's watchdog): a slow disk on
+        the main process would abort the others. This waits on a separate gloo group with no practical
+        limit; a main process that dies is noticed by the launcher, which ends the job.
+        """
+        if self.world_size > 1:
+            if self._save_group is None:
+                self._save_group = dist.new_group(backend="gloo")
+            dist.monitored_barrier(group=self._save_group, timeout=SAVE_WAIT)
+
     @abstractmethod
     def unwrap(self, model) -> torch.nn.Module: ...
 
@@ -121,7 +138,7 @@ class Runtime(ABC):
             partial.mkdir(parents=True)
         self.wait_for_everyone()
         self._save_state(partial)
-        self.wait_for_everyone()
+        self.wait_for_save()
         if self.is_main_process:
             write_progress(partial, progress)
             write_manifest(partial, progress)
@@ -130,7 +147,7 @@ class Runtime(ABC):
             partial.rename(final)
             _fsync_directory(final.parent)
             prune_checkpoints(output_dir, keep)
-        self.wait_for_everyone()
+        self.wait_for_save()
         return final
 
 

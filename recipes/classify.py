@@ -215,7 +215,7 @@ def main(argv=None):
                 card = model_card(cfg, hub.repo_id, data.source, results, sys.argv)
                 card.save(os.path.join(cfg.output_dir, "README.md"))
             hub.push_final(cfg.output_dir, progress.global_step)
-        runtime.wait_for_everyone()
+        runtime.wait_for_save()
         runtime.print(f"saved the model to {cfg.output_dir}\n" + json.dumps(results, indent=2))
 
         # Only the main process waits for its uploads (bounded by --hub_timeout); the others are done.

@@ -113,3 +113,35 @@ def test_a_killed_worker_is_restarted_and_the_job_finishes_as_if_never_killed(
     assert job.returncode == 0, output[-4000:]
     assert "resumed from" in output and "step_8" in output
     assert max_weight_diff(parity_runs("torchrun", 2, 4), out) <= 1e-5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("runtime", ["ddp", "accelerate"])
+def test_a_save_slower_than_the_timeout_on_rank_0_does_not_abort_the_others(small_data, tmp_path, runtime):
+    from conftest import accelerate_cmd
+
+    out = tmp_path / "out"
+    out.mkdir()
+    # save_pretrained writes config.json with open(): as a named pipe, opening it blocks rank 0's save
+    # until the test opens the other end, which it does twice the collective timeout later.
+    os.mkfifo(out / "config.json")
+    timeout = 4
+    launch = torchrun_cmd if runtime == "ddp" else accelerate_cmd
+    job = subprocess.Popen(launch(*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "4",
+                                  "--max_train_steps", "2", "--output_dir", str(out), "--ddp_timeout", str(timeout),
+                                  "--runtime", runtime),
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in job.stdout:  # the last evaluation is printed just before the save
+        output.append(line)
+        if "epoch 0: eval_accuracy" in line:
+            break
+    assert job.poll() is None, "".join(output)[-4000:]
+    time.sleep(2 * timeout)
+    assert job.poll() is None, "the job died while rank 0 was saving:\n" + job.communicate()[0][-4000:]
+    with open(out / "config.json", "rb") as pipe:
+        config = pipe.read()
+    output.append(job.communicate(timeout=120)[0])
+    assert job.returncode == 0, "".join(output)[-4000:]
+    assert b'"id2label"' in config
+    assert read_results(out)["world_size"] == 2
