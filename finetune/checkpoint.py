@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -187,6 +188,14 @@ def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file; give a folder")
+    existing = path.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    try:  # a real write, since permission bits say little to root or on read-only mounts
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".write-test-"))
+    except OSError as err:
+        raise UserError(f"--output_dir {output_dir} cannot be written ({existing}: {err.strerror}); "
+                        "choose another --output_dir") from None
     holds_model = (path / "config.json").is_file() or any(path.glob("model*.safetensors"))
     if holds_model and not (overwrite or resuming):
         raise UserError(
@@ -202,13 +211,18 @@ def save_model(model: torch.nn.Module, state_dict: dict, tokenizer, output_dir: 
 
     Raises:
         ValueError: a key still carries a wrapper's prefix, i.e. the model was not unwrapped.
+        UserError: the disk refused the write (full, read-only).
     """
     wrapped = [k for k in state_dict if k.startswith(_WRAPPER_PREFIXES)]
     if wrapped:
         raise ValueError(f"refusing to save a wrapped model: key {wrapped[0]!r} has a wrapper prefix")
     if is_main_process:
-        model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(output_dir)
+        try:
+            model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+            tokenizer.save_pretrained(output_dir)
+        except OSError as err:
+            raise UserError(f"cannot write the model to {output_dir} ({err.strerror or err}); free disk space "
+                            "or choose another --output_dir") from None
 
 
 def load_state_dict_unwrapped(path: str | os.PathLike) -> dict[str, torch.Tensor]:

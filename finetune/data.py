@@ -163,20 +163,30 @@ def _label_values(split: datasets.Dataset, column: str, name: str) -> list:
 
 
 def tokenize(
-    split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: ClassifyConfig
+    split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: ClassifyConfig, name: str
 ) -> datasets.Dataset:
-    """Tokenize without padding (batches are padded per batch), truncating to ``max_seq_length``."""
+    """Tokenize without padding (batches are padded per batch), truncating to ``max_seq_length``.
 
-    def encode(batch):
+    Raises:
+        UserError: a text that is missing, empty or not a string, with its row in split ``name``.
+    """
+
+    def encode(batch, rows):
         texts = batch[cfg.text_column]
         pairs = batch[cfg.text_pair_column] if cfg.text_pair_column else None
-        for column, values in ((cfg.text_column, texts), (cfg.text_pair_column, pairs or [])):
-            if any(not isinstance(v, str) for v in values):
-                raise UserError(f"column {column!r} holds a value that is not text; fix the data")
+        checked = [(cfg.text_column, texts)] + ([(cfg.text_pair_column, pairs)] if pairs is not None else [])
+        for column, values in checked:
+            for row, value in zip(rows, values, strict=True):
+                if not isinstance(value, str):
+                    raise UserError(f"{name} data row {row + 1}: column {column!r} holds {value!r}, not text; "
+                                    "fix the data or pick the right --text_column")
+                if not value.strip():
+                    raise UserError(f"{name} data row {row + 1}: column {column!r} is empty; fill it in or drop "
+                                    "the row")
         return tokenizer(texts, pairs, truncation=True, max_length=cfg.max_seq_length)
 
     text_columns = [c for c in (cfg.text_column, cfg.text_pair_column) if c]
-    return split.map(encode, batched=True, remove_columns=text_columns, keep_in_memory=True)
+    return split.map(encode, batched=True, with_indices=True, remove_columns=text_columns, keep_in_memory=True)
 
 
 class PlannedBatch(list):

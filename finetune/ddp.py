@@ -277,7 +277,7 @@ class DDPRuntime(Runtime):
             rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
         torch.save(rng, folder / f"random_states_{self.rank}.pkl")
 
-    def load_state(self, folder):
+    def _load_state(self, folder):
         from accelerate.utils import load as load_with_numpy_allowed
 
         unwrap(self._model).load_state_dict(load_file(folder / "model.safetensors", device=str(self.device)))

@@ -9,6 +9,7 @@ saving/restoring state.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -120,7 +121,21 @@ class Runtime(ABC):
         """Write model, optimizer, scheduler and every process's RNG states into ``folder``."""
 
     @abstractmethod
-    def load_state(self, folder: Path) -> None: ...
+    def _load_state(self, folder: Path) -> None:
+        """Restore what ``_save_state`` wrote: weights from safetensors, the rest with ``weights_only``."""
+
+    def load_state(self, folder: Path) -> None:
+        """Restore a checkpoint; a file that would need arbitrary code to unpickle is refused.
+
+        Raises:
+            UserError: a file in ``folder`` holds more than tensors and plain values.
+        """
+        try:
+            self._load_state(folder)
+        except pickle.UnpicklingError as err:
+            reason = str(err).strip().splitlines()[0]
+            raise UserError(f"{folder} holds a file that is not plain tensors and values ({reason[:200]}); "
+                            "it was not loaded, since loading it could run code") from None
 
     @abstractmethod
     def log(self, values: dict[str, float], step: int) -> None:
@@ -137,16 +152,21 @@ class Runtime(ABC):
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         self.wait_for_everyone()
-        self._save_state(partial)
-        self.wait_for_save()
-        if self.is_main_process:
-            write_progress(partial, progress)
-            write_manifest(partial, progress)
-            if final.exists():  # an earlier run of the same step, e.g. before a restart
-                shutil.rmtree(final)
-            partial.rename(final)
-            _fsync_directory(final.parent)
-            prune_checkpoints(output_dir, keep)
+        try:
+            self._save_state(partial)
+            self.wait_for_save()
+            if self.is_main_process:
+                write_progress(partial, progress)
+                write_manifest(partial, progress)
+                if final.exists():  # an earlier run of the same step, e.g. before a restart
+                    shutil.rmtree(final)
+                partial.rename(final)
+                _fsync_directory(final.parent)
+                prune_checkpoints(output_dir, keep)
+        except OSError as err:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise UserError(f"cannot write checkpoint {final} ({err.strerror or err}); free disk space or "
+                            "choose another --output_dir; earlier checkpoints are intact") from None
         self.wait_for_save()
         return final
 
@@ -285,7 +305,7 @@ class AccelerateRuntime(Runtime):
     def _save_state(self, folder):
         self.accelerator.save_state(str(folder))
 
-    def load_state(self, folder):
+    def _load_state(self, folder):
         self.accelerator.load_state(str(folder))
 
     def log(self, values, step):

@@ -74,8 +74,8 @@ def main(argv=None):
         data = load_classification_data(cfg)
         model_path = cfg.model_name_or_path or default_model_path()
         tokenizer = from_pretrained(AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
-        train_set = TokenizedDataset(tokenize(data.train, tokenizer, cfg))
-        eval_set = TokenizedDataset(tokenize(data.validation, tokenizer, cfg))
+        train_set = TokenizedDataset(tokenize(data.train, tokenizer, cfg, "train"))
+        eval_set = TokenizedDataset(tokenize(data.validation, tokenizer, cfg, "validation"))
         sampler = GlobalBatchSampler(
             train_set.lengths,
             cfg.per_device_train_batch_size,
@@ -117,9 +117,11 @@ def main(argv=None):
             runtime.load_state(resume_from)
             runtime.print(f"resumed from {resume_from} at step {progress.global_step}")
 
+        truncated = sum(length >= cfg.max_seq_length for length in train_set.lengths)
         runtime.print(
-            f"training {model_path} on {data.source}: {len(train_set)} examples, {len(data.label_names)} labels, "
-            f"{max_steps} steps, {runtime.world_size} process(es) on {runtime.device.type} [{runtime.name}]"
+            f"training {model_path} on {data.source}: {len(train_set)} examples ({truncated} cut to "
+            f"--max_seq_length {cfg.max_seq_length}), {len(data.label_names)} labels, {max_steps} steps, "
+            f"{runtime.world_size} process(es) on {runtime.device.type} [{runtime.name}]"
         )
         def save_checkpoint():
             folder = runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)

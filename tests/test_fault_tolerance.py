@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import FAST_FLAGS, REPO, data_flags, max_weight_diff, read_results, run, torchrun_cmd
@@ -145,3 +146,35 @@ def test_a_save_slower_than_the_timeout_on_rank_0_does_not_abort_the_others(smal
     assert job.returncode == 0, "".join(output)[-4000:]
     assert b'"id2label"' in config
     assert read_results(out)["world_size"] == 2
+
+
+class _TouchOnLoad:
+    """Unpickling this creates a file: what a malicious checkpoint could do with any code."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def test_a_checkpoint_file_that_would_run_code_is_refused(small_data, tmp_path):
+    import hashlib
+    import json
+
+    import torch
+
+    out, marker = tmp_path / "out", tmp_path / "code-ran"
+    flags = training_flags(small_data, out)
+    run([sys.executable, "recipes/classify.py", *flags, "--max_train_steps", "2"])
+    checkpoint = out / "checkpoints" / "step_2"
+    torch.save({"state": _TouchOnLoad(marker), "param_groups": []}, checkpoint / "optimizer.bin")
+    manifest = json.loads((checkpoint / "manifest.json").read_text())  # consistent, as an attacker would make it
+    manifest["files"]["optimizer.bin"] = hashlib.sha256((checkpoint / "optimizer.bin").read_bytes()).hexdigest()
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+    result = run([sys.executable, "recipes/classify.py", *flags, "--resume_from_checkpoint", str(checkpoint)],
+                 check=False)
+    assert not marker.exists(), "loading ran code from the checkpoint"
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "loading it could run code" in result.stderr.strip().splitlines()[-1]

@@ -1,0 +1,132 @@
+"""A catalogue of broken and hostile input: each ends in one error line, exit status 2, no change on disk.
+
+The recipe runs in this process (through the same ``run_main`` its command line uses) to keep the
+catalogue fast; ``test_bad_input.py`` checks the same contract on real processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import RECIPE, write_csv
+
+from finetune.errors import run_main
+
+_spec = importlib.util.spec_from_file_location("classify_recipe", RECIPE)
+recipe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(recipe)
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def write(path: Path, data: str | bytes) -> str:
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+    return str(path)
+
+
+def jsonl(path: Path, rows: list[dict]) -> str:
+    return write(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+GOOD_ROWS = [{"text": f"message number {i}", "label": "ab"[i % 2]} for i in range(8)]
+
+
+@pytest.fixture
+def folder(tmp_path):
+    write_csv(tmp_path / "train.csv", GOOD_ROWS)
+    write_csv(tmp_path / "validation.csv", GOOD_ROWS[:4])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("kept")
+    return tmp_path
+
+
+def files(folder, train=None, validation=None) -> list[str]:
+    return ["--train_file", train or str(folder / "train.csv"),
+            "--validation_file", validation or str(folder / "validation.csv"), "--output_dir", str(folder / "out")]
+
+
+CASES = {
+    "broken csv row": (lambda d: files(d, train=write(d / "t.csv", 'text,label\n"a",x\n"b",y,extra,more\n')),
+                       "could not be read as csv"),
+    "wrong encoding": (lambda d: files(d, train=write(d / "t.csv", "text,label\ncaf\xe9,x\n".encode("latin-1"))),
+                       "could not be read as csv"),
+    "missing label in csv": (lambda d: files(d, train=write(d / "t.csv", "text,label\na,x\nb,\nc,y\n")),
+                             "row 2 has no label"),
+    "null label in jsonl": (lambda d: files(d, train=jsonl(d / "t.jsonl", [{"text": "a", "label": "x"},
+                                                                          {"text": "b", "label": None}])),
+                            "row 2 has no label"),
+    "fractional label": (lambda d: files(d, train=write(d / "t.csv", "text,label\na,0.5\nb,1\n")),
+                         "labels must be class names or ids"),
+    "numbers as text": (lambda d: files(d, train=write(d / "t.csv", "text,label\n5,a\n7,b\n")),
+                        "holds 5, not text"),
+    "empty text": (lambda d: files(d, train=jsonl(d / "t.jsonl", [{"text": "a", "label": "a"},
+                                                                 {"text": "  ", "label": "b"}])),
+                   "row 2: column 'text' is empty"),
+    "a single class": (lambda d: files(d, train=write(d / "t.csv", "text,label\na,x\nb,x\n")), "single class"),
+    "json that is not json": (lambda d: files(d, train=write(d / "t.json", "this is not json")),
+                              "could not be read as json"),
+    "parquet that is not parquet": (lambda d: files(d, train=write(d / "t.parquet", "text,label\na,x\n")),
+                                    "could not be read as parquet"),
+    "yaml that is not a mapping": (lambda d: [*files(d), "--config", write(d / "c.yaml", "- 1\n- 2\n")],
+                                   "must be a mapping"),
+    "yaml that does not parse": (lambda d: [*files(d), "--config", write(d / "c.yaml", "learning_rate: [\n")],
+                                 "is not valid YAML"),
+    "zero train batch": (lambda d: [*files(d), "--per_device_train_batch_size", "0"], "must be a positive"),
+    "negative eval batch": (lambda d: [*files(d), "--per_device_eval_batch_size", "-4"], "must be a positive"),
+    "zero steps": (lambda d: [*files(d), "--max_train_steps", "0"], "must be a positive"),
+    "negative accumulation": (lambda d: [*files(d), "--gradient_accumulation_steps", "-2"], "must be a positive"),
+    "zero epochs": (lambda d: [*files(d), "--num_train_epochs", "0"], "must be a positive"),
+    "negative warm-up": (lambda d: [*files(d), "--num_warmup_steps", "-1"], "must be 0 or more"),
+    "dataset and files together": (lambda d: [*files(d), "--dataset_name", "imdb"], "pass one data source"),
+    "train file alone": (lambda d: ["--train_file", str(d / "train.csv"), "--output_dir", str(d / "out")],
+                         "go together"),
+    "checkpointing every 'often'": (lambda d: [*files(d), "--checkpointing_steps", "often"],
+                                    "positive number of steps or 'epoch'"),
+    "unknown scheduler": (lambda d: [*files(d), "--lr_scheduler_type", "zigzag"], "is unknown"),
+    "output folder on a read-only filesystem": (lambda d: [*files(d)[:4], "--output_dir", "/sys/finetune-out"],
+                                                "cannot be written"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hostile_input_is_refused_cleanly(folder, capsys, case):
+    make_argv, expected = CASES[case]
+    argv = make_argv(folder)
+    before = snapshot(folder)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(recipe.main, argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in err
+    assert expected in errors[0]
+    assert snapshot(folder) == before, "nothing already on disk changed"
+
+
+def test_a_full_disk_at_save_time_is_one_clear_error(folder, capsys):
+    out = folder / "out"
+    os.symlink("/dev/full", out / "config.json")  # every write to it fails with ENOSPC
+    before = snapshot(folder)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(recipe.main, [*files(folder), "--max_train_steps", "1", "--max_seq_length", "16"])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "--output_dir" in errors[0]
+    assert (out / "config.json").is_symlink() and (out / "notes.txt").read_text() == "kept"
+    assert {k: v for k, v in snapshot(folder).items() if k in before} == before
+
+
+def test_texts_far_over_max_seq_length_are_truncated_and_counted(folder, capsys):
+    long_rows = [{"text": "word " * 500, "label": "a"}, {"text": "short", "label": "b"}] + GOOD_ROWS
+    write_csv(folder / "long.csv", long_rows)
+    run_main(recipe.main, [*files(folder, train=str(folder / "long.csv")), "--max_train_steps", "1",
+                           "--max_seq_length", "16"])
+    assert "10 examples (1 cut to --max_seq_length 16)" in capsys.readouterr().out
