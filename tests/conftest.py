@@ -7,6 +7,7 @@ accelerate launch), offline.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import shutil
@@ -71,6 +72,12 @@ def max_weight_diff(a, b) -> float:
     wa, wb = read_weights(a), read_weights(b)
     assert wa.keys() == wb.keys()
     return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` with its SHA-256, to show that nothing changed."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def write_csv(path: Path, rows: list[dict]) -> Path:

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST_FLAGS, python_cmd, run, write_csv
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+from conftest import FAST_FLAGS, python_cmd, run, snapshot, write_csv
 
 
 def assert_refused(tmp_path: Path, args: list[str], *expected: str, env: dict | None = None):

@@ -6,25 +6,19 @@ catalogue fast; ``test_bad_input.py`` checks the same contract on real processes
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
-from conftest import RECIPE, write_csv
+from conftest import RECIPE, snapshot, write_csv
 
 from finetune.errors import run_main
 
 _spec = importlib.util.spec_from_file_location("classify_recipe", RECIPE)
 recipe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(recipe)
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def write(path: Path, data: str | bytes) -> str:
