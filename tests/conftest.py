@@ -7,7 +7,9 @@ accelerate launch), offline.
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -72,6 +74,15 @@ def max_weight_diff(a, b) -> float:
     wa, wb = read_weights(a), read_weights(b)
     assert wa.keys() == wb.keys()
     return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+
+
+@functools.cache
+def load_recipe():
+    """``recipes/classify.py`` as a module, to run its ``main`` in this process."""
+    spec = importlib.util.spec_from_file_location("classify_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def snapshot(folder: Path) -> dict[str, str]:

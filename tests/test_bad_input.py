@@ -6,22 +6,36 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST_FLAGS, python_cmd, run, snapshot, write_csv
+from conftest import FAST_FLAGS, load_recipe, python_cmd, run, snapshot, write_csv
+
+from finetune.errors import run_main
 
 
-def assert_refused(tmp_path: Path, args: list[str], *expected: str, env: dict | None = None):
-    before = snapshot(tmp_path)
-    result = run(python_cmd(*args, *FAST_FLAGS), check=False, env=env)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
-    assert lines and lines[-1].startswith("error: ")
-    errors = [line for line in lines if line.startswith("error: ")]
-    assert len(errors) == 1
-    for words in expected:
-        assert words in errors[0]
-    assert snapshot(tmp_path) == before, "nothing already on disk changed"
-    return errors[0]
+@pytest.fixture
+def refused(tmp_path, capsys):
+    """Run the recipe on bad input and check the contract; in this process unless ``env`` is given."""
+
+    def check(args: list[str], *expected: str, env: dict | None = None) -> str:
+        before = snapshot(tmp_path)
+        if env is None:
+            with pytest.raises(SystemExit) as exit_info:
+                run_main(load_recipe().main, [*args, *FAST_FLAGS])
+            returncode, stderr = exit_info.value.code, capsys.readouterr().err
+        else:
+            result = run(python_cmd(*args, *FAST_FLAGS), check=False, env=env)
+            returncode, stderr = result.returncode, result.stderr
+        assert returncode == 2, stderr[-3000:]
+        assert "Traceback" not in stderr
+        lines = stderr.strip().splitlines()
+        assert lines and lines[-1].startswith("error: ")
+        errors = [line for line in lines if line.startswith("error: ")]
+        assert len(errors) == 1
+        for words in expected:
+            assert words in errors[0]
+        assert snapshot(tmp_path) == before, "nothing already on disk changed"
+        return errors[0]
+
+    return check
 
 
 @pytest.fixture
@@ -38,64 +52,64 @@ def data(files, train=None, validation=None):
             "--output_dir", files["out"]]
 
 
-def test_missing_data_file(tmp_path, files):
-    assert_refused(tmp_path, data(files, train=str(tmp_path / "nope.csv")), "nope.csv: no such file")
+def test_missing_data_file(tmp_path, files, refused):
+    refused(data(files, train=str(tmp_path / "nope.csv")), "nope.csv: no such file")
 
 
-def test_unsupported_file_type(tmp_path, files):
+def test_unsupported_file_type(tmp_path, files, refused):
     (tmp_path / "train.xlsx").write_text("x")
-    assert_refused(tmp_path, data(files, train=str(tmp_path / "train.xlsx")), "unsupported file type .xlsx",
+    refused(data(files, train=str(tmp_path / "train.xlsx")), "unsupported file type .xlsx",
                    ".csv")
 
 
-def test_text_column_missing(tmp_path, files):
-    assert_refused(tmp_path, [*data(files), "--text_column", "sentence"], "no column 'sentence'", "--text_column")
+def test_text_column_missing(tmp_path, files, refused):
+    refused([*data(files), "--text_column", "sentence"], "no column 'sentence'", "--text_column")
 
 
-def test_label_column_missing(tmp_path, files):
-    assert_refused(tmp_path, [*data(files), "--label_column", "target"], "no column 'target'", "--label_column")
+def test_label_column_missing(tmp_path, files, refused):
+    refused([*data(files), "--label_column", "target"], "no column 'target'", "--label_column")
 
 
-def test_empty_dataset(tmp_path, files):
+def test_empty_dataset(tmp_path, files, refused):
     (tmp_path / "empty.csv").write_text("text,label\n")
-    assert_refused(tmp_path, data(files, train=str(tmp_path / "empty.csv")), "holds no rows")
+    refused(data(files, train=str(tmp_path / "empty.csv")), "holds no rows")
 
 
-def test_eval_label_never_seen_in_training(tmp_path, files):
+def test_eval_label_never_seen_in_training(tmp_path, files, refused):
     write_csv(tmp_path / "validation_c.csv", [{"text": "t", "label": "a"}, {"text": "u", "label": "c"}])
-    assert_refused(tmp_path, data(files, validation=str(tmp_path / "validation_c.csv")),
+    refused(data(files, validation=str(tmp_path / "validation_c.csv")),
                    "label(s) c that training data never has")
 
 
-def test_output_dir_already_holds_a_model(tmp_path, files):
+def test_output_dir_already_holds_a_model(tmp_path, files, refused):
     (Path(files["out"]) / "config.json").write_text("{}")
     (Path(files["out"]) / "model.safetensors").write_bytes(b"weights")
-    assert_refused(tmp_path, data(files), "already holds a model", "--overwrite_output_dir")
+    refused(data(files), "already holds a model", "--overwrite_output_dir")
 
 
-def test_unknown_key_in_config(tmp_path, files):
+def test_unknown_key_in_config(tmp_path, files, refused):
     (tmp_path / "run.yaml").write_text("learning_rate: 1.0e-4\nlearnig_rate: 3\n")
-    assert_refused(tmp_path, [*data(files), "--config", str(tmp_path / "run.yaml")], "unknown key(s) learnig_rate")
+    refused([*data(files), "--config", str(tmp_path / "run.yaml")], "unknown key(s) learnig_rate")
 
 
-def test_resume_from_incomplete_checkpoint(tmp_path, files):
+def test_resume_from_incomplete_checkpoint(tmp_path, files, refused):
     partial = tmp_path / "out" / "checkpoints" / "step_4.partial"
     partial.mkdir(parents=True)
     (partial / "optimizer.bin").write_bytes(b"half")
-    assert_refused(tmp_path, [*data(files), "--resume_from_checkpoint", str(partial)],
+    refused([*data(files), "--resume_from_checkpoint", str(partial)],
                    "is not a complete checkpoint", "'latest'")
 
 
-def test_model_path_that_does_not_exist(tmp_path, files):
-    assert_refused(tmp_path, [*data(files), "--model_name_or_path", str(tmp_path / "no-model")], "no such folder")
+def test_model_path_that_does_not_exist(tmp_path, files, refused):
+    refused([*data(files), "--model_name_or_path", str(tmp_path / "no-model")], "no such folder")
 
 
-def test_hub_id_while_offline(tmp_path, files):
-    assert_refused(tmp_path, [*data(files), "--model_name_or_path", "someone/not-cached-model"],
+def test_hub_id_while_offline(tmp_path, files, refused):
+    refused([*data(files), "--model_name_or_path", "someone/not-cached-model"],
                    "not in the local cache and HF_HUB_OFFLINE is set", env={"HF_HUB_OFFLINE": "1"})
 
 
-def test_refused_runs_leave_a_prior_model_untouched_and_overwrite_replaces_it(tmp_path, files):
+def test_refused_runs_leave_a_prior_model_untouched_and_overwrite_replaces_it(tmp_path, files, refused):
     """The positive side of the output-folder rule: with --overwrite_output_dir the run goes ahead."""
     out = Path(files["out"])
     (out / "config.json").write_text("{}")

@@ -6,19 +6,16 @@ catalogue fast; ``test_bad_input.py`` checks the same contract on real processes
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
-from conftest import RECIPE, snapshot, write_csv
+from conftest import load_recipe, snapshot, write_csv
 
 from finetune.errors import run_main
 
-_spec = importlib.util.spec_from_file_location("classify_recipe", RECIPE)
-recipe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(recipe)
+recipe = load_recipe()
 
 
 def write(path: Path, data: str | bytes) -> str:
