@@ -147,8 +147,8 @@ def main(argv=None):
                         optimizer.step()
                         scheduler.step()
                         optimizer.zero_grad()
-                real = weights > 0
-                interval += torch.stack([per_example.detach()[real].sum(), real.sum()])
+                real = (weights > 0).float()  # a mask, not indexing: boolean indexing syncs with the GPU
+                interval += torch.stack([(per_example.detach() * real).sum(), real.sum()])
                 progress.batches_in_epoch += 1
                 if not runtime.sync_gradients:
                     continue
