@@ -1,30 +1,29 @@
 """Pushing checkpoints and the final model to the Hugging Face Hub without ever holding training up.
 
 Only the main process talks to the Hub. The repository is created at start-up, so a bad token fails
-in seconds; every push after that is a job for one background (daemon) thread, retried with backoff,
-and its outcome is recorded rather than raised. No collective is ever called from that thread.
+in seconds; every push after that is a job for a separate upload process (``hub_uploader.py``), retried
+with backoff, and its outcome is recorded rather than raised. Training never waits for an upload.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
-import queue
 import shutil
+import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, get_token, snapshot_download
+from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError
 
 from finetune.errors import UserError
+from finetune.hub_uploader import describe
 
 __all__ = ["HubPusher", "download_last_checkpoint", "model_card"]
 
-PUSH_ATTEMPTS = 3
-"""Attempts per push; waits of 2, 4 s between them, on top of huggingface_hub's own retries."""
 IGNORE_PATTERNS = ["checkpoints/*", "runs/*", ".hub_staging/*", "*.log", "*.tmp", "__pycache__/*", ".cache/*"]
 """Kept out of every push: local checkpoints, tracker logs, caches."""
 MODEL_FILES = ["config.json", "model.safetensors", "tokenizer*", "vocab*", "special_tokens_map.json", "merges.txt"]
@@ -35,7 +34,9 @@ LAST_CHECKPOINT = "last-checkpoint"
 class HubPusher:
     """Pushes one run's checkpoints and final model to one Hub repository (main process only).
 
-    On other processes every method does nothing, so callers need no rank check.
+    Pushes are done in order by ``hub_uploader.py`` in a process of its own, so uploading takes neither
+    the GIL nor a busy core from training. On other processes every method does nothing, so callers need
+    no rank check.
     """
 
     def __init__(self, cfg, is_main_process: bool):
@@ -44,7 +45,6 @@ class HubPusher:
         self.timeout = cfg.hub_timeout
         self.revision = cfg.hub_revision
         self.statuses: list[dict] = []
-        self._jobs: queue.Queue = queue.Queue()
         self._pushes = 0
         if not self.enabled:
             return
@@ -61,10 +61,17 @@ class HubPusher:
                 self.api.create_branch(self.repo_id, branch=self.revision, exist_ok=True)
         except (HfHubHTTPError, OSError) as err:
             raise UserError(
-                f"cannot create the Hub repository {self.repo_id}: {self._describe(err)}; check the token "
+                f"cannot create the Hub repository {self.repo_id}: {describe(err, self._token)}; check the token "
                 "(--hub_token or HF_TOKEN) and that it may write to that namespace"
             ) from None
-        threading.Thread(target=self._work, name="hub-push", daemon=True).start()
+        # The token reaches the uploader in its environment, never on a command line others can read.
+        self._uploader = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("hub_uploader.py")), self.repo_id,
+             *([self.revision] if self.revision else [])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_TOKEN": self._token},
+        )
+        self._reader = threading.Thread(target=self._read_outcomes, name="hub-push-outcomes", daemon=True)
+        self._reader.start()
 
     def push_checkpoint(self, folder: Path, step: int, model_config, tokenizer) -> None:
         """Queue the model at ``folder`` (``every_save``), plus the full state (``checkpoint``).
@@ -80,64 +87,49 @@ class HubPusher:
         shutil.copytree(folder, stage, copy_function=_link_or_copy)
         model_config.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
-        operations = _operations(stage, "", allow=MODEL_FILES)
+        files = _files(stage, "", allow=MODEL_FILES)
         if self.strategy == "checkpoint":
-            operations += _operations(stage, LAST_CHECKPOINT)
-        self._submit(operations, f"Training in progress, step {step}", stage)
+            files += _files(stage, LAST_CHECKPOINT)
+        self._submit(files, f"Training in progress, step {step}", stage)
 
     def push_final(self, output_dir: str, step: int) -> None:
         """Queue the final model folder (with its model card), ignoring checkpoints and logs."""
         if self.enabled:
-            self._submit(_operations(Path(output_dir), "", ignore=IGNORE_PATTERNS), f"Final model, step {step}")
+            self._submit(_files(Path(output_dir), "", ignore=IGNORE_PATTERNS), f"Final model, step {step}")
 
     def finish(self) -> list[dict]:
         """Wait up to ``--hub_timeout`` for queued pushes; report and return every push's outcome."""
         if not self.enabled:
             return []
-        deadline = time.monotonic() + self.timeout
-        while len(self.statuses) < self._pushes and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for number in range(len(self.statuses), self._pushes):
-            self.statuses.append({"push": number + 1, "error": f"still uploading after --hub_timeout {self.timeout}s"})
+        self._uploader.stdin.close()  # no more pushes: the uploader exits once the queued ones are done
+        try:
+            self._uploader.wait(timeout=self.timeout)
+            self._reader.join()
+            unfinished = f"the uploader stopped with exit status {self._uploader.returncode}"
+        except subprocess.TimeoutExpired:
+            self._uploader.kill()
+            unfinished = f"still uploading after --hub_timeout {self.timeout}s"
+        done = {status["push"] for status in self.statuses}
+        self.statuses += [{"push": number, "error": unfinished}
+                          for number in range(1, self._pushes + 1) if number not in done]
+        self.statuses.sort(key=lambda status: status["push"])
         for status in self.statuses:
             outcome = f"commit {status['commit_id']}" if "commit_id" in status else f"FAILED: {status['error']}"
             print(f"hub push {status['push']} ({status.get('message', '')}) to {self.repo_id}: {outcome}", flush=True)
         return list(self.statuses)
 
-    def _submit(self, operations: list[CommitOperationAdd], message: str, stage: Path | None = None) -> None:
+    def _submit(self, files: list[tuple[str, str]], message: str, stage: Path | None = None) -> None:
         self._pushes += 1
-        self._jobs.put((self._pushes, operations, message, stage))
+        job = {"push": self._pushes, "message": message, "files": files, "stage": str(stage) if stage else None}
+        try:
+            self._uploader.stdin.write(json.dumps(job) + "\n")
+            self._uploader.stdin.flush()
+        except OSError:  # the uploader is gone; finish() reports the push as not done
+            pass
 
-    def _work(self) -> None:
-        while True:
-            number, operations, message, stage = self._jobs.get()
-            status = {"push": number, "message": message}
-            for attempt in range(1, PUSH_ATTEMPTS + 1):
-                try:
-                    commit = self.api.create_commit(self.repo_id, operations=operations, commit_message=message,
-                                                    revision=self.revision)
-                    status["commit_id"] = commit.oid
-                    break
-                except Exception as err:  # network, HTTP, quota: record and go on, training must not stop
-                    status["error"] = self._describe(err)
-                    if _is_auth_error(err) or attempt == PUSH_ATTEMPTS:
-                        break
-                    time.sleep(2**attempt)
-            if "commit_id" in status:
-                status.pop("error", None)
-            else:
-                where = stage if stage is not None else "the output folder"
-                print(f"warning: hub push '{message}' to {self.repo_id} failed after {attempt} attempt(s): "
-                      f"{status['error']}. The local copy in {where} is intact; push it later with "
-                      f"`hf upload {self.repo_id} <folder>`.", file=sys.stderr, flush=True)
-            if stage is not None and "commit_id" in status:
-                shutil.rmtree(stage, ignore_errors=True)
-            self.statuses.append(status)
-
-    def _describe(self, err: Exception) -> str:
-        """A one-line description of ``err`` that never contains the token."""
-        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return text.replace(self._token, "***") if self._token else text
+    def _read_outcomes(self) -> None:
+        for line in self._uploader.stdout:
+            self.statuses.append(json.loads(line))
 
 
 def _link_or_copy(source: str, destination: str) -> None:
@@ -147,22 +139,18 @@ def _link_or_copy(source: str, destination: str) -> None:
         shutil.copy2(source, destination)
 
 
-def _is_auth_error(err: Exception) -> bool:
-    response = getattr(err, "response", None)
-    return getattr(response, "status_code", None) in (401, 403)
-
-
-def _operations(folder: Path, prefix: str, allow: list[str] | None = None,
-                ignore: list[str] | None = None) -> list[CommitOperationAdd]:
-    operations = []
+def _files(folder: Path, prefix: str, allow: list[str] | None = None,
+           ignore: list[str] | None = None) -> list[tuple[str, str]]:
+    """(path in the repository, local path) of the files in ``folder`` to push."""
+    files = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         relative = path.relative_to(folder).as_posix()
         if allow is not None and not any(fnmatch.fnmatch(relative, pattern) for pattern in allow):
             continue
         if ignore is not None and any(fnmatch.fnmatch(relative, pattern) for pattern in ignore):
             continue
-        operations.append(CommitOperationAdd(f"{prefix}/{relative}" if prefix else relative, str(path)))
-    return operations
+        files.append((f"{prefix}/{relative}" if prefix else relative, str(path)))
+    return files
 
 
 DEFAULT_BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -247,10 +235,7 @@ def download_last_checkpoint(spec: str, revision: str | None, token: str | None)
         local = snapshot_download(repo_id, revision=revision, allow_patterns=[f"{LAST_CHECKPOINT}/*"],
                                   token=token or None)
     except (HfHubHTTPError, OSError) as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if token:
-            message = message.replace(token, "***")
-        raise UserError(f"--resume_from_checkpoint {spec}: cannot download it ({message})") from None
+        raise UserError(f"--resume_from_checkpoint {spec}: cannot download it ({describe(err, token)})") from None
     folder = Path(local) / LAST_CHECKPOINT
     if not folder.is_dir():
         raise UserError(f"--resume_from_checkpoint {spec}: the repository has no {LAST_CHECKPOINT}/; "

@@ -1,0 +1,115 @@
+"""Measurement hooks for one benchmark process, and the wrapper that runs the recipe under them.
+
+    accelerate launch ... bench/probe.py recipes/classify.py --flag value ...
+    torchrun ... bench/probe.py recipes/classify.py --flag value ...
+
+The recipe runs unchanged; the hooks only observe. Every process writes ``rank<R>.json`` into
+``$BENCH_REPORT_DIR`` at exit with:
+
+- the wall-clock time of every optimizer step (a global optimizer post-step hook; on CUDA, events
+  recorded on the stream, so no synchronisation is added to the loop),
+- the examples, real tokens and padded tokens of every training batch, in order,
+- how many gradient all-reduces DDP launched by the end of each optimizer step (a counting comm hook),
+- the process's peak resident memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import resource
+import runpy
+import sys
+import time
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+_steps: list[float] = []
+_cuda_events: list = []
+_batches: list[tuple[int, int, int]] = []
+_all_reduces = [0]
+_all_reduces_at_step: list[int] = []
+
+
+def record_batch(attention_mask: torch.Tensor, num_real: int) -> None:
+    """Count one training batch whose first ``num_real`` rows are real examples (the rest fillers)."""
+    _batches.append((num_real, int(attention_mask[:num_real].sum()), int(attention_mask.numel())))
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    _steps.append(time.time())
+    _all_reduces_at_step.append(_all_reduces[0])
+    if torch.cuda.is_available():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        _cuda_events.append(event)
+
+
+def _counting_all_reduce(state, bucket):
+    _all_reduces[0] += 1
+    return default_hooks.allreduce_hook(state, bucket)
+
+
+def _count_ddp_all_reduces() -> None:
+    original_init = DistributedDataParallel.__init__
+
+    def init_with_counter(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.register_comm_hook(self.process_group, _counting_all_reduce)
+
+    DistributedDataParallel.__init__ = init_with_counter
+
+
+def _write_report() -> None:
+    if _cuda_events:
+        torch.cuda.synchronize()
+        # Step times relative to the first step, from GPU events: the real end of each step's work.
+        first = _cuda_events[0]
+        _steps[:] = [_steps[0] + first.elapsed_time(event) / 1000 for event in _cuda_events]
+    report = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "launched_at": float(os.environ["BENCH_LAUNCHED_AT"]),
+        "step_times": _steps,
+        "batches": _batches,
+        "all_reduces_at_step": _all_reduces_at_step,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    path = os.path.join(os.environ["BENCH_REPORT_DIR"], f"rank{report['rank']}.json")
+    with open(path, "w") as f:
+        json.dump(report, f)
+
+
+def install() -> None:
+    """Start observing this process; the report is written when it exits."""
+    register_optimizer_step_post_hook(_after_optimizer_step)
+    _count_ddp_all_reduces()
+    atexit.register(_write_report)
+
+
+def _count_recipe_batches() -> None:
+    """Count the recipe's training batches as its collator builds them (they carry loss weights)."""
+    from transformers import DataCollatorWithPadding
+
+    original_call = DataCollatorWithPadding.__call__
+
+    def call_and_count(self, features):
+        batch = original_call(self, features)
+        if "loss_weight" in batch:
+            record_batch(batch["attention_mask"], int((batch["loss_weight"] > 0).sum()))
+        return batch
+
+    DataCollatorWithPadding.__call__ = call_and_count
+
+
+if __name__ == "__main__":
+    install()
+    _count_recipe_batches()
+    script, sys.argv = sys.argv[1], sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")

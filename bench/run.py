@@ -1,0 +1,379 @@
+"""The benchmark: the classify recipe against a hand-written loop and transformers' Trainer, side by side.
+
+    python bench/run.py                # about 13 minutes on a 2-core CPU; writes bench/results/latest.{json,md}
+
+Every configuration trains the default MiniLM for one epoch on the same slice of the embedded support
+tickets (mostly short messages with a long tail), with per-device batch 32, learning rate 1e-4 and
+sequences cut at 128 tokens. Each is a fresh process tree started the way a user starts it; the
+configurations run interleaved, in a rotated order, ``--repeats`` times. The first ``--warmup_steps``
+optimizer steps of each run are left out of its throughput. Figures are medians over the repeats with
+their spread (min-max), and every ratio is taken within one repeat before the median is taken.
+
+FLOP counts: a training step spends 6 FLOPs per weight per token it multiplies (2 forward, 4 backward).
+The *useful* count charges that only for real tokens: 6 x encoder weights x real tokens, plus 6 x head
+weights (pooler, classifier) x examples. Embedding lookups, attention's own products (which grow with
+padded length) and element-wise work are not counted. The machine's matmul rate is 2n^3 / t for an
+n = 2048 float32 product (bf16 and n = 8192 on a GPU), best of 5, measured in every repeat.
+
+On a CUDA machine the same command uses the GPU (bf16 autocast, NCCL for the 2-process configurations
+when there are 2 GPUs) and writes bench/results/latest-cuda.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(REPO))
+
+from finetune.default_dataset import make_support_tickets  # noqa: E402
+from finetune.models import default_model_path  # noqa: E402
+
+HUB_TOKEN = "hf_benchmarkToken"
+
+
+@dataclass
+class Config:
+    name: str
+    what: str
+    launcher: str  # accelerate, torchrun or python (a baseline)
+    processes: int = 1
+    threads: int = 2
+    accumulation: int = 1
+    recipe_flags: list[str] = field(default_factory=list)
+
+
+CONFIGS = [
+    Config("recipe_accelerate", "classify.py, accelerate launch", "accelerate"),
+    Config("recipe_ddp", "classify.py, torchrun (raw DDP)", "torchrun"),
+    Config("loop_random", "hand-written loop, random batches", "python"),
+    Config("loop_grouped", "hand-written loop, the recipe's length-grouped batches", "python"),
+    Config("trainer_default", "Trainer, default arguments", "python"),
+    Config("trainer_grouped", "Trainer, group by length", "python"),
+    Config("ddp_2proc", "classify.py, torchrun, 2 processes x 1 thread", "torchrun", processes=2, threads=1),
+    Config("ddp_accum", "classify.py, torchrun, 1 process x 2 threads, accumulation 2", "torchrun", accumulation=2),
+    Config("ddp_2proc_accum", "classify.py, torchrun, 2 processes x 1 thread, accumulation 2", "torchrun",
+           processes=2, threads=1, accumulation=2),
+    Config("recipe_checkpoints", "classify.py, accelerate launch, a checkpoint every 8 steps", "accelerate",
+           recipe_flags=["--checkpointing_steps", "8"]),
+    Config("recipe_hub_push", "classify.py, accelerate launch, a checkpoint every 8 steps pushed to a Hub",
+           "accelerate", recipe_flags=["--checkpointing_steps", "8", "--push_to_hub", "--hub_model_id",
+                                       "bench/classifier", "--hub_token", HUB_TOKEN]),
+]
+
+# name: (numerator config, denominator config, measure, target or None)
+RATIOS = {
+    "accelerate_vs_grouped_loop": ("recipe_accelerate", "loop_grouped", "samples_per_second", 0.98),
+    "ddp_vs_grouped_loop": ("recipe_ddp", "loop_grouped", "samples_per_second", 0.98),
+    "accelerate_vs_trainer_default": ("recipe_accelerate", "trainer_default", "samples_per_second", 1.5),
+    "accelerate_vs_trainer_grouped": ("recipe_accelerate", "trainer_grouped", "samples_per_second", 1.0),
+    "ddp_vs_trainer_default": ("recipe_ddp", "trainer_default", "samples_per_second", 1.5),
+    "ddp_vs_trainer_grouped": ("recipe_ddp", "trainer_grouped", "samples_per_second", 1.0),
+    "ddp_2proc_vs_1proc": ("ddp_2proc", "recipe_ddp", "samples_per_second", 0.9),
+    "ddp_2proc_vs_1proc_accumulation": ("ddp_2proc_accum", "ddp_accum", "samples_per_second", 0.9),
+    "hub_push_vs_no_push": ("recipe_hub_push", "recipe_checkpoints", "samples_per_second", 0.97),
+}
+MEASURED_RATIOS = {  # ratios of one configuration's own figures
+    "padding_efficiency": ("recipe_accelerate", "padding_efficiency", 0.9),
+    "useful_flops_vs_matmul": ("recipe_accelerate", "useful_flops_vs_matmul", 0.5),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_data(folder: Path, train_examples: int, eval_examples: int) -> tuple[Path, Path]:
+    """The first rows of the embedded support tickets, as CSV files every configuration reads."""
+    tickets = make_support_tickets()
+    paths = []
+    for split, count in (("train", train_examples), ("validation", eval_examples)):
+        path = folder / f"{split}.csv"
+        rows = tickets[split].select(range(count))
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["text", "label"])
+            writer.writerows(zip(rows["text"], rows["label"], strict=True))
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, gpus: int) -> list[str]:
+    if config.launcher == "python":
+        return [sys.executable, str(BENCH / "baselines.py"), config.name, str(train_csv), str(output_dir)]
+    recipe_flags = ["--train_file", str(train_csv), "--validation_file", str(eval_csv), "--output_dir",
+                    str(output_dir), "--num_train_epochs", "1", "--gradient_accumulation_steps",
+                    str(config.accumulation), *config.recipe_flags]
+    if gpus:
+        recipe_flags += ["--mixed_precision", "bf16"]
+    script = [str(BENCH / "probe.py"), str(REPO / "recipes" / "classify.py"), *recipe_flags]
+    if config.launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(config.processes),
+                "--master_port", str(free_port()), *script]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(config.processes),
+              "--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "bf16" if gpus else "no",
+              "--main_process_port", str(free_port())]
+    if gpus:
+        launch += ["--multi_gpu"] if config.processes > 1 else []
+    else:
+        launch += ["--cpu", "--num_cpu_threads_per_process", str(config.threads)]
+    return [*launch, *script]
+
+
+def run_config(config: Config, data: tuple[Path, Path], scratch: Path, env: dict, gpus: int) -> dict:
+    report_dir = scratch / f"{config.name}-reports"
+    output_dir = scratch / f"{config.name}-out"
+    for folder in (report_dir, output_dir):
+        shutil.rmtree(folder, ignore_errors=True)
+    report_dir.mkdir()
+    launched_at = time.time()
+    result = subprocess.run(
+        command(config, *data, output_dir, gpus), cwd=REPO, capture_output=True, text=True,
+        env={**env, "OMP_NUM_THREADS": str(config.threads), "MKL_NUM_THREADS": str(config.threads),
+             "BENCH_REPORT_DIR": str(report_dir), "BENCH_LAUNCHED_AT": repr(launched_at)},
+    )
+    if result.returncode != 0:
+        sys.exit(f"error: {config.name} exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    return {"reports": [json.loads(p.read_text()) for p in sorted(report_dir.glob("rank*.json"))],
+            "wall_seconds": time.time() - launched_at}
+
+
+def summarize(config: Config, run: dict, warmup_steps: int, flop_weights: dict, matmul_rate: float) -> dict:
+    """One run's figures: throughput after the warm-up, padding, FLOP use, start-up, memory, all-reduces."""
+    reports = run["reports"]
+    main = next(r for r in reports if r["rank"] == 0)
+    steps = main["step_times"]
+    if len(steps) <= warmup_steps:
+        sys.exit(f"error: {config.name} made {len(steps)} optimizer steps; give --train_examples for more than "
+                 f"{warmup_steps} warm-up steps")
+    seconds = steps[-1] - steps[warmup_steps - 1]
+    warmup_batches = warmup_steps * config.accumulation
+    samples = sum(b[0] for r in reports for b in r["batches"][warmup_batches:])
+    real_tokens = sum(b[1] for r in reports for b in r["batches"][warmup_batches:])
+    all_real = sum(b[1] for r in reports for b in r["batches"])
+    all_padded = sum(b[2] for r in reports for b in r["batches"])
+    useful_flops = 6 * (flop_weights["per_token"] * real_tokens + flop_weights["per_example"] * samples)
+    reduces = main["all_reduces_at_step"]
+    measured_steps = len(steps) - warmup_steps
+    measured_reduces = reduces[-1] - reduces[warmup_steps - 1]
+    return {
+        "samples_per_second": samples / seconds,
+        "padding_efficiency": all_real / all_padded,
+        "useful_gflops_per_second": useful_flops / seconds / 1e9,
+        "useful_flops_vs_matmul": useful_flops / seconds / matmul_rate,
+        "seconds_to_first_step": steps[0] - main["launched_at"],
+        "peak_rss_mib": [round(r["peak_rss_mib"]) for r in sorted(reports, key=lambda r: r["rank"])],
+        "all_reduces_per_optimizer_step": measured_reduces / measured_steps,
+        "all_reduces_per_micro_step": measured_reduces / (measured_steps * config.accumulation),
+        "optimizer_steps": len(steps),
+        "threads_per_process": main["threads"],
+        "wall_seconds": run["wall_seconds"],
+    }
+
+
+def matmul_rate(device: torch.device) -> float:
+    """FLOP/s of a dense matrix product large enough to keep every core (or the GPU) busy."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    best = float("inf")
+    for _ in range(6):  # the first warms up and is discarded by min() only if slower, which it is
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def flop_weights() -> dict:
+    """Weights multiplied once per token (the encoder) and once per example (pooler and classifier)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(default_model_path(), num_labels=4)
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    per_token = sum(p.numel() for name, p in model.named_parameters() if ".encoder." in f".{name}")
+    per_example = sum(p.numel() for name, p in model.named_parameters()
+                      if name.startswith(("classifier", "bert.pooler", "pooler")))
+    return {"per_token": per_token, "per_example": per_example}
+
+
+def serve_hub(urls) -> None:
+    """The loopback Hub of the tests, at the lowest CPU priority: a real Hub is another machine, so its
+    work must not take CPU from the training measured here."""
+    os.nice(19)
+    sys.path.insert(0, str(REPO / "tests"))
+    from hub_server import HubServer
+
+    with HubServer(tokens={HUB_TOKEN: "bench"}) as server:
+        urls.put(server.url)
+        threading.Event().wait()
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="Interleaved runs of every configuration.")
+    parser.add_argument("--train_examples", type=int, default=960, help="Training examples (one epoch).")
+    parser.add_argument("--warmup_steps", type=int, default=2, help="Optimizer steps left out of throughput.")
+    parser.add_argument("--only", nargs="*", default=None, help="Run only these configurations (a quick look).")
+    args = parser.parse_args()
+    if args.repeats < 1 or args.warmup_steps < 1:
+        sys.exit("error: --repeats and --warmup_steps must be at least 1")
+
+    gpus = torch.cuda.device_count()
+    device = torch.device("cuda" if gpus else "cpu")
+    configs = [c for c in CONFIGS if args.only is None or c.name in args.only]
+    skipped = [c.name for c in configs if gpus == 1 and c.processes > 1]
+    configs = [c for c in configs if c.name not in skipped]
+    if gpus:
+        print(f"GPU: {torch.cuda.get_device_name()} x {gpus}", flush=True)
+    else:
+        torch.set_num_threads(2)
+        print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores", flush=True)
+
+    weights = flop_weights()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith("ACCELERATE_")}
+    runs: dict[str, list[dict]] = {c.name: [] for c in configs}
+    matmul: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="finetune-bench-") as scratch_name:
+        scratch = Path(scratch_name)
+        data = write_data(scratch, args.train_examples, 64)
+        hub = None
+        if any("--push_to_hub" in c.recipe_flags for c in configs):
+            urls = multiprocessing.get_context("spawn").Queue()
+            hub = multiprocessing.get_context("spawn").Process(target=serve_hub, args=(urls,), daemon=True)
+            hub.start()
+            env.update(HF_ENDPOINT=urls.get(timeout=60), HF_HUB_OFFLINE="0", HF_HUB_CACHE=str(scratch / "hub-cache"),
+                       HF_TOKEN="")
+        try:
+            for repeat in range(args.repeats):
+                matmul.append(matmul_rate(device))
+                order = configs[repeat % len(configs):] + configs[:repeat % len(configs)]
+                for config in order:
+                    run = run_config(config, data, scratch, env, gpus)
+                    runs[config.name].append(summarize(config, run, args.warmup_steps, weights, matmul[-1]))
+                    figures = runs[config.name][-1]
+                    print(f"[{repeat + 1}/{args.repeats}] {config.name:<20} {figures['samples_per_second']:7.1f} "
+                          f"samples/s  padding {figures['padding_efficiency']:.3f}  "
+                          f"{figures['wall_seconds']:5.1f} s", flush=True)
+        finally:
+            if hub is not None:
+                hub.terminate()
+
+    results = collect(configs, runs, matmul, weights, args, device, skipped)
+    suffix = "-cuda" if gpus else ""
+    out = BENCH / "results"
+    out.mkdir(exist_ok=True)
+    (out / f"latest{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"latest{suffix}.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+def collect(configs, runs, matmul, weights, args, device, skipped) -> dict:
+    repeats = args.repeats
+    ratios, checks = {}, {}
+    for name, (numerator, denominator, measure, target) in RATIOS.items():
+        if numerator in runs and denominator in runs:
+            per_repeat = [runs[numerator][i][measure] / runs[denominator][i][measure] for i in range(repeats)]
+            ratios[name] = spread(per_repeat)
+            checks[name] = target
+    for name, (config, measure, target) in MEASURED_RATIOS.items():
+        if config in runs:
+            ratios[name] = spread([r[measure] for r in runs[config]])
+            checks[name] = target
+    per_config = {}
+    for config in configs:
+        figures = runs[config.name]
+        per_config[config.name] = {
+            "what": config.what,
+            "processes": config.processes,
+            "threads_per_process": figures[0]["threads_per_process"],
+            "gradient_accumulation_steps": config.accumulation,
+            **{measure: spread([f[measure] for f in figures]) for measure in (
+                "samples_per_second", "padding_efficiency", "useful_gflops_per_second", "useful_flops_vs_matmul",
+                "seconds_to_first_step", "all_reduces_per_optimizer_step", "all_reduces_per_micro_step")},
+            "peak_rss_mib_per_process": [max(f["peak_rss_mib"][rank] for f in figures)
+                                         for rank in range(config.processes)],
+            "optimizer_steps": figures[0]["optimizer_steps"],
+            "runs": figures,
+        }
+    return {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "repeats": repeats,
+        "train_examples": args.train_examples,
+        "warmup_steps": args.warmup_steps,
+        "matmul_gflops_per_second": spread([m / 1e9 for m in matmul]),
+        "flop_weights": weights,
+        "ratios": {name: value["median"] for name, value in ratios.items()},
+        "ratio_spread": ratios,
+        "targets": {name: {"at_least": target, "met": ratios[name]["median"] >= target}
+                    for name, target in checks.items()},
+        "skipped": {name: "needs 2 GPUs" for name in skipped},
+        "configs": per_config,
+    }
+
+
+def markdown(results: dict) -> str:
+    def cell(value: dict, digits: int = 1) -> str:
+        return f"{value['median']:.{digits}f} ({value['min']:.{digits}f}-{value['max']:.{digits}f})"
+
+    lines = [
+        f"Device: {results['device']}, torch {results['torch']}; {results['repeats']} interleaved repeats, "
+        f"{results['train_examples']} training examples (one epoch), first {results['warmup_steps']} steps "
+        f"excluded. Median (min-max). Matmul rate: {cell(results['matmul_gflops_per_second'])} GFLOP/s.",
+        "",
+        "| ratio | median (min-max) | target | met |",
+        "|---|---|---|---|",
+    ]
+    for name, target in results["targets"].items():
+        lines.append(f"| {name} | {cell(results['ratio_spread'][name], 3)} | >= {target['at_least']} | "
+                     f"{'yes' if target['met'] else 'NO'} |")
+    lines += [
+        "",
+        "| configuration | samples/s | padding efficiency | useful GFLOP/s | of matmul | first step (s) | "
+        "peak RSS (MiB) | all-reduces per step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, c in results["configs"].items():
+        lines.append(
+            f"| {name}: {c['what']} | {cell(c['samples_per_second'])} | {c['padding_efficiency']['median']:.3f} | "
+            f"{cell(c['useful_gflops_per_second'])} | {c['useful_flops_vs_matmul']['median']:.0%} | "
+            f"{cell(c['seconds_to_first_step'])} | {', '.join(map(str, c['peak_rss_mib_per_process']))} | "
+            f"{c['all_reduces_per_optimizer_step']['median']:g} per step, "
+            f"{c['all_reduces_per_micro_step']['median']:g} per micro-step |"
+        )
+    for name, why in results["skipped"].items():
+        lines.append(f"| {name} | not run: {why} | | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
