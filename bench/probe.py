@@ -8,7 +8,7 @@ The recipe runs unchanged; the hooks only observe. Every process writes ``rank<R
 
 - the wall-clock time of every optimizer step (a global optimizer post-step hook; on CUDA, events
   recorded on the stream, so no synchronisation is added to the loop),
-- the examples, real tokens and padded tokens of every training batch, in order,
+- the examples, real tokens and padded tokens of every training batch, and when it was built, in order,
 - how many gradient all-reduces DDP launched by the end of each optimizer step (a counting comm hook),
 - the process's peak resident memory.
 """
@@ -30,14 +30,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _steps: list[float] = []
 _cuda_events: list = []
-_batches: list[tuple[int, int, int]] = []
+_batches: list[tuple[int, int, int, float]] = []
 _all_reduces = [0]
 _all_reduces_at_step: list[int] = []
 
 
 def record_batch(attention_mask: torch.Tensor, num_real: int) -> None:
     """Count one training batch whose first ``num_real`` rows are real examples (the rest fillers)."""
-    _batches.append((num_real, int(attention_mask[:num_real].sum()), int(attention_mask.numel())))
+    _batches.append((num_real, int(attention_mask[:num_real].sum()), int(attention_mask.numel()), time.time()))
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:

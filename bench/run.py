@@ -1,6 +1,7 @@
 """The benchmark: the classify recipe against a hand-written loop and transformers' Trainer, side by side.
 
-    python bench/run.py                # about 13 minutes on a 2-core CPU; writes bench/results/latest.{json,md}
+    python bench/run.py                   # about 14 minutes on 2 CPU cores: bench/results/latest.{json,md}
+    python bench/run.py --suite hub_push  # about 4 minutes: bench/results/hub-push.{json,md}
 
 Every configuration trains the default MiniLM for one epoch on the same slice of the embedded support
 tickets (mostly short messages with a long tail), with per-device batch 32, learning rate 1e-4 and
@@ -13,10 +14,10 @@ FLOP counts: a training step spends 6 FLOPs per weight per token it multiplies (
 The *useful* count charges that only for real tokens: 6 x encoder weights x real tokens, plus 6 x head
 weights (pooler, classifier) x examples. Embedding lookups, attention's own products (which grow with
 padded length) and element-wise work are not counted. The machine's matmul rate is 2n^3 / t for an
-n = 2048 float32 product (bf16 and n = 8192 on a GPU), best of 5, measured in every repeat.
+n = 2048 float32 product (bf16 and n = 8192 on a GPU), best of 6, measured in every repeat.
 
 On a CUDA machine the same command uses the GPU (bf16 autocast, NCCL for the 2-process configurations
-when there are 2 GPUs) and writes bench/results/latest-cuda.{json,md}.
+when there are 2 GPUs) and writes ``*-cuda.{json,md}``.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Config:
     recipe_flags: list[str] = field(default_factory=list)
 
 
-CONFIGS = [
+TRAINING = [
     Config("recipe_accelerate", "classify.py, accelerate launch", "accelerate"),
     Config("recipe_ddp", "classify.py, torchrun (raw DDP)", "torchrun"),
     Config("loop_random", "hand-written loop, random batches", "python"),
@@ -72,6 +73,8 @@ CONFIGS = [
     Config("ddp_accum", "classify.py, torchrun, 1 process x 2 threads, accumulation 2", "torchrun", accumulation=2),
     Config("ddp_2proc_accum", "classify.py, torchrun, 2 processes x 1 thread, accumulation 2", "torchrun",
            processes=2, threads=1, accumulation=2),
+]
+HUB_PUSH = [
     Config("recipe_checkpoints", "classify.py, accelerate launch, a checkpoint every 8 steps", "accelerate",
            recipe_flags=["--checkpointing_steps", "8"]),
     Config("recipe_hub_push", "classify.py, accelerate launch, a checkpoint every 8 steps pushed to a Hub",
@@ -79,21 +82,26 @@ CONFIGS = [
                                        "bench/classifier", "--hub_token", HUB_TOKEN]),
 ]
 
-# name: (numerator config, denominator config, measure, target or None)
-RATIOS = {
-    "accelerate_vs_grouped_loop": ("recipe_accelerate", "loop_grouped", "samples_per_second", 0.98),
-    "ddp_vs_grouped_loop": ("recipe_ddp", "loop_grouped", "samples_per_second", 0.98),
-    "accelerate_vs_trainer_default": ("recipe_accelerate", "trainer_default", "samples_per_second", 1.5),
-    "accelerate_vs_trainer_grouped": ("recipe_accelerate", "trainer_grouped", "samples_per_second", 1.0),
-    "ddp_vs_trainer_default": ("recipe_ddp", "trainer_default", "samples_per_second", 1.5),
-    "ddp_vs_trainer_grouped": ("recipe_ddp", "trainer_grouped", "samples_per_second", 1.0),
-    "ddp_2proc_vs_1proc": ("ddp_2proc", "recipe_ddp", "samples_per_second", 0.9),
-    "ddp_2proc_vs_1proc_accumulation": ("ddp_2proc_accum", "ddp_accum", "samples_per_second", 0.9),
-    "hub_push_vs_no_push": ("recipe_hub_push", "recipe_checkpoints", "samples_per_second", 0.97),
+# ratio: (numerator configuration, denominator configuration, target); ratios of samples per second
+TRAINING_RATIOS = {
+    "accelerate_vs_grouped_loop": ("recipe_accelerate", "loop_grouped", 0.98),
+    "ddp_vs_grouped_loop": ("recipe_ddp", "loop_grouped", 0.98),
+    "accelerate_vs_trainer_default": ("recipe_accelerate", "trainer_default", 1.5),
+    "accelerate_vs_trainer_grouped": ("recipe_accelerate", "trainer_grouped", 1.0),
+    "ddp_vs_trainer_default": ("recipe_ddp", "trainer_default", 1.5),
+    "ddp_vs_trainer_grouped": ("recipe_ddp", "trainer_grouped", 1.0),
+    "ddp_2proc_vs_1proc": ("ddp_2proc", "recipe_ddp", 0.9),
+    "ddp_2proc_vs_1proc_accumulation": ("ddp_2proc_accum", "ddp_accum", 0.9),
 }
-MEASURED_RATIOS = {  # ratios of one configuration's own figures
+HUB_PUSH_RATIOS = {"hub_push_vs_no_push": ("recipe_hub_push", "recipe_checkpoints", 0.97)}
+# ratio: (configuration, its figure, target)
+TRAINING_FIGURES = {
     "padding_efficiency": ("recipe_accelerate", "padding_efficiency", 0.9),
     "useful_flops_vs_matmul": ("recipe_accelerate", "useful_flops_vs_matmul", 0.5),
+}
+SUITES = {  # name: (configurations, ratios, figures, results file)
+    "training": (TRAINING, TRAINING_RATIOS, TRAINING_FIGURES, "latest"),
+    "hub_push": (HUB_PUSH, HUB_PUSH_RATIOS, {}, "hub-push"),
 }
 
 
@@ -136,7 +144,7 @@ def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, g
     if gpus:
         launch += ["--multi_gpu"] if config.processes > 1 else []
     else:
-        launch += ["--cpu", "--num_cpu_threads_per_process", str(config.threads)]
+        launch += ["--num_cpu_threads_per_process", str(config.threads)]
     return [*launch, *script]
 
 
@@ -176,8 +184,10 @@ def summarize(config: Config, run: dict, warmup_steps: int, flop_weights: dict, 
     reduces = main["all_reduces_at_step"]
     measured_steps = len(steps) - warmup_steps
     measured_reduces = reduces[-1] - reduces[warmup_steps - 1]
+    epoch_seconds = steps[-1] - min(b[3] for r in reports for b in r["batches"][:1])
     return {
         "samples_per_second": samples / seconds,
+        "epoch_samples_per_second": sum(b[0] for r in reports for b in r["batches"]) / epoch_seconds,
         "padding_efficiency": all_real / all_padded,
         "useful_gflops_per_second": useful_flops / seconds / 1e9,
         "useful_flops_vs_matmul": useful_flops / seconds / matmul_rate,
@@ -196,7 +206,7 @@ def matmul_rate(device: torch.device) -> float:
     n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (2048, torch.float32)
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     best = float("inf")
-    for _ in range(6):  # the first warms up and is discarded by min() only if slower, which it is
+    for _ in range(6):  # best of 6: the first also pays for warming up
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -241,14 +251,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="Interleaved runs of every configuration.")
     parser.add_argument("--train_examples", type=int, default=960, help="Training examples (one epoch).")
     parser.add_argument("--warmup_steps", type=int, default=2, help="Optimizer steps left out of throughput.")
-    parser.add_argument("--only", nargs="*", default=None, help="Run only these configurations (a quick look).")
+    parser.add_argument("--suite", choices=SUITES, default="training",
+                        help="training: the comparisons above; hub_push: checkpoints pushed to a loopback Hub "
+                             "against the same checkpoints not pushed (about 4 minutes).")
     args = parser.parse_args()
     if args.repeats < 1 or args.warmup_steps < 1:
         sys.exit("error: --repeats and --warmup_steps must be at least 1")
 
     gpus = torch.cuda.device_count()
     device = torch.device("cuda" if gpus else "cpu")
-    configs = [c for c in CONFIGS if args.only is None or c.name in args.only]
+    configs, ratios, figures, results_name = SUITES[args.suite]
     skipped = [c.name for c in configs if gpus == 1 and c.processes > 1]
     configs = [c for c in configs if c.name not in skipped]
     if gpus:
@@ -279,35 +291,34 @@ def main() -> None:
                 for config in order:
                     run = run_config(config, data, scratch, env, gpus)
                     runs[config.name].append(summarize(config, run, args.warmup_steps, weights, matmul[-1]))
-                    figures = runs[config.name][-1]
-                    print(f"[{repeat + 1}/{args.repeats}] {config.name:<20} {figures['samples_per_second']:7.1f} "
-                          f"samples/s  padding {figures['padding_efficiency']:.3f}  "
-                          f"{figures['wall_seconds']:5.1f} s", flush=True)
+                    latest = runs[config.name][-1]
+                    print(f"[{repeat + 1}/{args.repeats}] {config.name:<20} {latest['samples_per_second']:7.1f} "
+                          f"samples/s  padding {latest['padding_efficiency']:.3f}  "
+                          f"{latest['wall_seconds']:5.1f} s", flush=True)
         finally:
             if hub is not None:
                 hub.terminate()
 
-    results = collect(configs, runs, matmul, weights, args, device, skipped)
-    suffix = "-cuda" if gpus else ""
+    results = collect(configs, ratios, figures, runs, matmul, weights, args, device, skipped)
     out = BENCH / "results"
     out.mkdir(exist_ok=True)
-    (out / f"latest{suffix}.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / f"latest{suffix}.md").write_text(markdown(results))
+    results_name += "-cuda" if gpus else ""
+    (out / f"{results_name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"{results_name}.md").write_text(markdown(results))
     print(markdown(results))
 
 
-def collect(configs, runs, matmul, weights, args, device, skipped) -> dict:
+def collect(configs, ratio_specs, figure_specs, runs, matmul, weights, args, device, skipped) -> dict:
     repeats = args.repeats
     ratios, checks = {}, {}
-    for name, (numerator, denominator, measure, target) in RATIOS.items():
+    for name, (numerator, denominator, target) in ratio_specs.items():
         if numerator in runs and denominator in runs:
-            per_repeat = [runs[numerator][i][measure] / runs[denominator][i][measure] for i in range(repeats)]
-            ratios[name] = spread(per_repeat)
+            ratios[name] = spread([runs[numerator][i]["samples_per_second"] / runs[denominator][i]["samples_per_second"]
+                                   for i in range(repeats)])
             checks[name] = target
-    for name, (config, measure, target) in MEASURED_RATIOS.items():
-        if config in runs:
-            ratios[name] = spread([r[measure] for r in runs[config]])
-            checks[name] = target
+    for name, (config, measure, target) in figure_specs.items():
+        ratios[name] = spread([r[measure] for r in runs[config]])
+        checks[name] = target
     per_config = {}
     for config in configs:
         figures = runs[config.name]
@@ -317,8 +328,9 @@ def collect(configs, runs, matmul, weights, args, device, skipped) -> dict:
             "threads_per_process": figures[0]["threads_per_process"],
             "gradient_accumulation_steps": config.accumulation,
             **{measure: spread([f[measure] for f in figures]) for measure in (
-                "samples_per_second", "padding_efficiency", "useful_gflops_per_second", "useful_flops_vs_matmul",
-                "seconds_to_first_step", "all_reduces_per_optimizer_step", "all_reduces_per_micro_step")},
+                "samples_per_second", "epoch_samples_per_second", "padding_efficiency", "useful_gflops_per_second",
+                "useful_flops_vs_matmul", "seconds_to_first_step", "all_reduces_per_optimizer_step",
+                "all_reduces_per_micro_step")},
             "peak_rss_mib_per_process": [max(f["peak_rss_mib"][rank] for f in figures)
                                          for rank in range(config.processes)],
             "optimizer_steps": figures[0]["optimizer_steps"],
@@ -327,6 +339,7 @@ def collect(configs, runs, matmul, weights, args, device, skipped) -> dict:
     return {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
         "torch": torch.__version__,
+        "suite": args.suite,
         "repeats": repeats,
         "train_examples": args.train_examples,
         "warmup_steps": args.warmup_steps,
@@ -358,20 +371,21 @@ def markdown(results: dict) -> str:
                      f"{'yes' if target['met'] else 'NO'} |")
     lines += [
         "",
-        "| configuration | samples/s | padding efficiency | useful GFLOP/s | of matmul | first step (s) | "
-        "peak RSS (MiB) | all-reduces per step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| configuration | samples/s | samples/s, whole epoch | padding efficiency | useful GFLOP/s | of matmul | "
+        "first step (s) | peak RSS (MiB) | all-reduces |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, c in results["configs"].items():
         lines.append(
-            f"| {name}: {c['what']} | {cell(c['samples_per_second'])} | {c['padding_efficiency']['median']:.3f} | "
+            f"| {name}: {c['what']} | {cell(c['samples_per_second'])} | "
+            f"{c['epoch_samples_per_second']['median']:.1f} | {c['padding_efficiency']['median']:.3f} | "
             f"{cell(c['useful_gflops_per_second'])} | {c['useful_flops_vs_matmul']['median']:.0%} | "
             f"{cell(c['seconds_to_first_step'])} | {', '.join(map(str, c['peak_rss_mib_per_process']))} | "
             f"{c['all_reduces_per_optimizer_step']['median']:g} per step, "
             f"{c['all_reduces_per_micro_step']['median']:g} per micro-step |"
         )
     for name, why in results["skipped"].items():
-        lines.append(f"| {name} | not run: {why} | | | | | | |")
+        lines.append(f"| {name} | not run: {why} | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 

@@ -284,6 +284,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
                      for i in sorted(order[start:start + mega], key=lambda i: -self.lengths[i])]
         batches = [order[start:start + size] for start in range(0, len(order), size)]
         full = [batches[i] for i in torch.randperm(len(batches) - 1, generator=generator).tolist()]
+        if self.group_by_length and full:
+            # The longest batch first, as transformers' LengthGroupedSampler does: running out of memory
+            # shows at the first step instead of hours in, and memory is at its peak from the start.
+            longest = max(range(len(full)), key=lambda b: max(self.lengths[i] for i in full[b]))
+            full.insert(0, full.pop(longest))
         return full + batches[-1:]
 
     def __iter__(self):

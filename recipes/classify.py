@@ -97,7 +97,9 @@ def main(argv=None):
             label2id={name: i for i, name in enumerate(data.label_names)},
             trust_remote_code=cfg.trust_remote_code,
         )
-        optimizer = torch.optim.AdamW(optimizer_param_groups(model, cfg.weight_decay), lr=cfg.learning_rate)
+        # fused: one kernel over all parameters instead of a dozen passes over memory per step.
+        optimizer = torch.optim.AdamW(optimizer_param_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
+                                      fused=True)
         steps_per_epoch = math.ceil(sampler.batches_per_rank / cfg.gradient_accumulation_steps)
         max_steps = cfg.max_train_steps or cfg.num_train_epochs * steps_per_epoch
         num_epochs = math.ceil(max_steps / steps_per_epoch)

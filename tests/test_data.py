@@ -78,6 +78,16 @@ def test_grouping_by_length_cuts_padding():
     assert padding_efficiency(True) > 0.9 > padding_efficiency(False)
 
 
+@pytest.mark.parametrize("epoch", [0, 1, 2])
+def test_grouped_epochs_start_with_the_longest_batch(epoch):
+    lengths = lengths_with_a_long_tail(count=2000)
+    first_steps = [rank[0] for rank in shares(lengths, 16, 2, epoch=epoch)]
+    longest_full = max(lengths[i] for rank in shares(lengths, 16, 2, epoch=epoch) for b in rank[:-1] for i in b)
+    assert max(lengths[i] for b in first_steps for i in b) == longest_full
+    ungrouped = [rank[0] for rank in shares(lengths, 16, 2, epoch=epoch, group=False)]
+    assert max(lengths[i] for b in ungrouped for i in b) < longest_full, "random batches stay random"
+
+
 def test_each_epoch_has_its_own_order_and_the_same_epoch_repeats():
     lengths = lengths_with_a_long_tail()
     assert shares(lengths, 4, 2, epoch=1) == shares(lengths, 4, 2, epoch=1)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST_FLAGS, data_flags, max_weight_diff, read_results, read_weights, run, torchrun_cmd
 from hub_server import Fault, HubServer
+from huggingface_hub import HfApi
 
 TOKEN = "hf_secretTokenValue123456"
 READ_ONLY_TOKEN = "hf_readOnlyToken987654"
@@ -162,3 +165,31 @@ def test_a_bad_token_fails_within_seconds_before_training(hub, small_data, tmp_p
     assert token not in result.stderr + result.stdout
     assert not out.exists(), "nothing was trained or written"
     assert time.monotonic() - start < 60
+
+
+def test_the_uploader_process_commits_in_order_at_low_priority_and_ends_with_its_input(hub, tmp_path):
+    """The upload process on its own: JSON jobs in, one outcome per job out, niced, done at end of input."""
+    HfApi(endpoint=hub.url, token=TOKEN).create_repo("alice/uploads")
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(name)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    uploader = subprocess.Popen([sys.executable, "finetune/hub_uploader.py", "alice/uploads"], text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                env={**os.environ, **hub.env, "HF_TOKEN": TOKEN})
+    jobs = [{"push": 1, "message": "first", "files": [["a.txt", str(tmp_path / "a.txt")]], "stage": str(stage)},
+            {"push": 2, "message": "second", "files": [["b.txt", str(tmp_path / "b.txt")]], "stage": None}]
+    uploader.stdin.write(json.dumps(jobs[0]) + "\n")
+    uploader.stdin.flush()
+    first = json.loads(uploader.stdout.readline())
+    assert os.getpriority(os.PRIO_PROCESS, uploader.pid) == 19, "uploads only take CPU that training leaves"
+    uploader.stdin.write(json.dumps(jobs[1]) + "\n")
+    uploader.stdin.close()
+    second = json.loads(uploader.stdout.readline())
+    assert uploader.wait(timeout=30) == 0
+
+    commits = hub.commits("alice/uploads")
+    assert [c["summary"] for c in commits][-2:] == ["first", "second"]
+    assert [first["commit_id"], second["commit_id"]] == [c["sha"] for c in commits][-2:]
+    assert hub.files("alice/uploads")["b.txt"] == b"b.txt"
+    assert not stage.exists(), "a pushed staging copy is removed"
