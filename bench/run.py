@@ -46,6 +46,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
 from finetune.default_dataset import make_support_tickets  # noqa: E402
+from finetune.hub_uploader import lowest_cpu_priority  # noqa: E402
 from finetune.models import default_model_path  # noqa: E402
 
 HUB_TOKEN = "hf_benchmarkToken"
@@ -232,8 +233,8 @@ def flop_weights() -> dict:
 
 def serve_hub(urls) -> None:
     """The loopback Hub of the tests, at the lowest CPU priority: a real Hub is another machine, so its
-    work must not take CPU from the training measured here."""
-    os.nice(19)
+    work should not take CPU from the training measured here."""
+    lowest_cpu_priority()
     sys.path.insert(0, str(REPO / "tests"))
     from hub_server import HubServer
 

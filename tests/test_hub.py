@@ -183,6 +183,7 @@ def test_the_uploader_process_commits_in_order_at_low_priority_and_ends_with_its
     uploader.stdin.flush()
     first = json.loads(uploader.stdout.readline())
     assert os.getpriority(os.PRIO_PROCESS, uploader.pid) == 19, "uploads only take CPU that training leaves"
+    assert os.sched_getscheduler(uploader.pid) == os.SCHED_IDLE
     uploader.stdin.write(json.dumps(jobs[1]) + "\n")
     uploader.stdin.close()
     second = json.loads(uploader.stdout.readline())
