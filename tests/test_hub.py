@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST_FLAGS, data_flags, max_weight_diff, read_results, read_weights, run, torchrun_cmd
 from hub_server import Fault, HubServer
-from huggingface_hub import HfApi
+from huggingface_hub import HfApi, constants
 
 TOKEN = "hf_secretTokenValue123456"
 READ_ONLY_TOKEN = "hf_readOnlyToken987654"
@@ -167,8 +167,9 @@ def test_a_bad_token_fails_within_seconds_before_training(hub, small_data, tmp_p
     assert time.monotonic() - start < 60
 
 
-def test_the_uploader_process_commits_in_order_at_low_priority_and_ends_with_its_input(hub, tmp_path):
+def test_the_uploader_process_commits_in_order_at_low_priority_and_ends_with_its_input(hub, tmp_path, monkeypatch):
     """The upload process on its own: JSON jobs in, one outcome per job out, niced, done at end of input."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # conftest turned this process offline
     HfApi(endpoint=hub.url, token=TOKEN).create_repo("alice/uploads")
     for name in ("a.txt", "b.txt"):
         (tmp_path / name).write_text(name)
