@@ -1,7 +1,7 @@
 """The benchmark: the classify recipe against a hand-written loop and transformers' Trainer, side by side.
 
     python bench/run.py                   # about 14 minutes on 2 CPU cores: bench/results/latest.{json,md}
-    python bench/run.py --suite hub_push  # about 4 minutes: bench/results/hub-push.{json,md}
+    python bench/run.py --suite hub_push  # about 3.5 minutes: bench/results/hub-push.{json,md}
 
 Every configuration trains the default MiniLM for one epoch on the same slice of the embedded support
 tickets (mostly short messages with a long tail), with per-device batch 32, learning rate 1e-4 and
@@ -254,7 +254,7 @@ def main() -> None:
     parser.add_argument("--warmup_steps", type=int, default=2, help="Optimizer steps left out of throughput.")
     parser.add_argument("--suite", choices=SUITES, default="training",
                         help="training: the comparisons above; hub_push: checkpoints pushed to a loopback Hub "
-                             "against the same checkpoints not pushed (about 4 minutes).")
+                             "against the same checkpoints not pushed (about 3.5 minutes).")
     args = parser.parse_args()
     if args.repeats < 1 or args.warmup_steps < 1:
         sys.exit("error: --repeats and --warmup_steps must be at least 1")
