@@ -104,11 +104,12 @@ class HubPusher:
         self._uploader.stdin.close()  # no more pushes: the uploader exits once the queued ones are done
         try:
             self._uploader.wait(timeout=self.timeout)
-            self._reader.join()
             unfinished = f"the uploader stopped with exit status {self._uploader.returncode}"
         except subprocess.TimeoutExpired:
             self._uploader.kill()
+            self._uploader.wait()
             unfinished = f"still uploading after --hub_timeout {self.timeout}s"
+        self._reader.join()  # the uploader has exited, so its output has ended
         done = {status["push"] for status in self.statuses}
         self.statuses += [{"push": number, "error": unfinished}
                           for number in range(1, self._pushes + 1) if number not in done]
