@@ -78,7 +78,6 @@ def _write_report() -> None:
         "all_reduces_at_step": _all_reduces_at_step,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "threads": torch.get_num_threads(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
     path = os.path.join(os.environ["BENCH_REPORT_DIR"], f"rank{report['rank']}.json")
     with open(path, "w") as f:

@@ -142,10 +142,10 @@ def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, g
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(config.processes),
               "--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "bf16" if gpus else "no",
               "--main_process_port", str(free_port())]
-    if gpus:
-        launch += ["--multi_gpu"] if config.processes > 1 else []
-    else:
+    if not gpus:
         launch += ["--num_cpu_threads_per_process", str(config.threads)]
+    elif config.processes > 1:
+        launch += ["--multi_gpu"]
     return [*launch, *script]
 
 
@@ -177,19 +177,18 @@ def summarize(config: Config, run: dict, warmup_steps: int, flop_weights: dict, 
                  f"{warmup_steps} warm-up steps")
     seconds = steps[-1] - steps[warmup_steps - 1]
     warmup_batches = warmup_steps * config.accumulation
-    samples = sum(b[0] for r in reports for b in r["batches"][warmup_batches:])
-    real_tokens = sum(b[1] for r in reports for b in r["batches"][warmup_batches:])
-    all_real = sum(b[1] for r in reports for b in r["batches"])
-    all_padded = sum(b[2] for r in reports for b in r["batches"])
+    every_batch = [b for r in reports for b in r["batches"]]
+    measured = [b for r in reports for b in r["batches"][warmup_batches:]]
+    samples, real_tokens = sum(b[0] for b in measured), sum(b[1] for b in measured)
     useful_flops = 6 * (flop_weights["per_token"] * real_tokens + flop_weights["per_example"] * samples)
     reduces = main["all_reduces_at_step"]
     measured_steps = len(steps) - warmup_steps
     measured_reduces = reduces[-1] - reduces[warmup_steps - 1]
-    epoch_seconds = steps[-1] - min(b[3] for r in reports for b in r["batches"][:1])
+    epoch_seconds = steps[-1] - min(b[3] for b in every_batch)
     return {
         "samples_per_second": samples / seconds,
-        "epoch_samples_per_second": sum(b[0] for r in reports for b in r["batches"]) / epoch_seconds,
-        "padding_efficiency": all_real / all_padded,
+        "epoch_samples_per_second": sum(b[0] for b in every_batch) / epoch_seconds,
+        "padding_efficiency": sum(b[1] for b in every_batch) / sum(b[2] for b in every_batch),
         "useful_gflops_per_second": useful_flops / seconds / 1e9,
         "useful_flops_vs_matmul": useful_flops / seconds / matmul_rate,
         "seconds_to_first_step": steps[0] - main["launched_at"],

@@ -125,6 +125,7 @@ def main(argv=None):
             f"--max_seq_length {cfg.max_seq_length}), {len(data.label_names)} labels, {max_steps} steps, "
             f"{runtime.world_size} process(es) on {runtime.device.type} [{runtime.name}]"
         )
+
         def save_checkpoint():
             folder = runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)
             hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, tokenizer)
