@@ -36,11 +36,11 @@ from transformers import (  # noqa: E402
     get_linear_schedule_with_warmup,
 )
 
-from finetune.config import ClassifyConfig  # noqa: E402
-from finetune.data import GlobalBatchSampler  # noqa: E402
+from finetune.batching import GlobalBatchSampler  # noqa: E402
+from finetune.config import TrainConfig  # noqa: E402
 from finetune.models import default_model_path  # noqa: E402
 
-RECIPE = ClassifyConfig()  # the recipe's defaults, which every configuration uses
+RECIPE = TrainConfig()  # the recipes' shared defaults, which every configuration uses
 BATCH_SIZE, LEARNING_RATE = RECIPE.per_device_train_batch_size, RECIPE.learning_rate
 MAX_LENGTH, SEED = RECIPE.max_seq_length, RECIPE.seed
 

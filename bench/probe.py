@@ -92,17 +92,29 @@ def install() -> None:
 
 
 def _count_recipe_batches() -> None:
-    """Count the recipe's training batches as its collator builds them (they carry loss weights)."""
+    """Count the recipe's training batches as its collator builds them.
+
+    Training batches are fetched by the sampler's planned index lists, which say how many examples are
+    real; evaluation batches are fetched by plain lists.
+    """
     from transformers import DataCollatorWithPadding
 
-    original_call = DataCollatorWithPadding.__call__
+    from finetune.batching import PlannedBatch, TokenizedDataset
+
+    planned_real: list[int | None] = [None]
+    original_fetch, original_call = TokenizedDataset.__getitems__, DataCollatorWithPadding.__call__
+
+    def fetch_and_note(self, indices):
+        planned_real[0] = indices.num_real if isinstance(indices, PlannedBatch) else None
+        return original_fetch(self, indices)
 
     def call_and_count(self, features):
         batch = original_call(self, features)
-        if "loss_weight" in batch:
-            record_batch(batch["attention_mask"], int((batch["loss_weight"] > 0).sum()))
+        if planned_real[0] is not None:
+            record_batch(batch["attention_mask"], planned_real[0])
         return batch
 
+    TokenizedDataset.__getitems__ = fetch_and_note
     DataCollatorWithPadding.__call__ = call_and_count
 
 

@@ -1,22 +1,10 @@
-"""Fine-tune Hugging Face transformers on one process or many, under Accelerate or raw torch DDP."""
+"""Fine-tune Hugging Face transformers on one process or many, under Accelerate or raw torch DDP.
 
-from finetune.checkpoint import load_state_dict_unwrapped, save_model
-from finetune.config import ClassifyConfig, parse_config
-from finetune.data import GlobalBatchSampler, load_classification_data
-from finetune.errors import UserError, run_main
-from finetune.runtime import Runtime, make_runtime
+The modules, each named for what it holds: ``config`` (options, YAML and command line), ``task`` (what a
+recipe plugs in), ``loop`` (the shared training loop), ``batching`` (the global-batch plan), ``data``,
+``checkpoint``, ``runtime`` with ``accelerate_runtime`` and ``ddp_runtime``, ``ddp`` (the raw
+torch.distributed layer, usable on its own), ``hub``. Importing the package itself loads none of them, so a
+recipe checks its flags before torch and the training libraries load.
+"""
 
 __version__ = "0.1.0"
-
-__all__ = [
-    "ClassifyConfig",
-    "GlobalBatchSampler",
-    "Runtime",
-    "UserError",
-    "load_classification_data",
-    "load_state_dict_unwrapped",
-    "make_runtime",
-    "parse_config",
-    "run_main",
-    "save_model",
-]

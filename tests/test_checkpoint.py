@@ -7,11 +7,11 @@ from safetensors.torch import save_file
 from finetune.checkpoint import (
     Progress,
     check_output_dir,
+    check_unwrapped,
     find_latest_checkpoint,
     load_state_dict_unwrapped,
     prune_checkpoints,
     resolve_resume_checkpoint,
-    save_model,
     verify_checkpoint,
     write_manifest,
     write_progress,
@@ -58,10 +58,11 @@ def test_output_dir_rules(tmp_path):
     check_output_dir(str(tmp_path), overwrite=True, resuming=False)
 
 
-def test_a_wrapped_state_dict_is_refused_at_save_time(tmp_path):
+def test_a_wrapped_state_dict_is_refused_at_save_time():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="wrapper prefix"):
-        save_model(model, {"module.weight": model.weight}, None, str(tmp_path), is_main_process=True)
+        check_unwrapped({"module.weight": model.weight})
+    check_unwrapped(model.state_dict())
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".bin"])

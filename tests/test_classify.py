@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import (
@@ -54,6 +55,8 @@ def test_default_run_trains_offline_and_saves_a_plain_model(tmp_path):
     assert RESULT_KEYS <= results.keys()
     assert results["runtime"] == "accelerate" and results["world_size"] == 1 and results["global_step"] == 6
     assert f"saved the model to {out}" in result.stdout and "eval_accuracy" in result.stdout
+    # accelerate launch pins a lone process to 1 thread unless told otherwise; the run uses every core.
+    assert f"1 process(es) on cpu, {psutil.cpu_count(logical=False)} CPU thread(s) each" in result.stdout
 
     weights = read_weights(out)
     config = json.loads((out / "config.json").read_text())
@@ -65,6 +68,13 @@ def test_default_run_trains_offline_and_saves_a_plain_model(tmp_path):
     assert predicted == read_predictions(out)
     accuracy = sum(p == LABEL_NAMES[y] for p, y in zip(predicted, validation["label"], strict=True)) / len(validation)
     assert accuracy == pytest.approx(results["eval_accuracy"], abs=1e-12)
+
+
+def test_a_thread_count_the_user_chose_is_kept(tmp_path):
+    result = run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                  "--num_cpu_threads_per_process", "1", "recipes/classify.py", *FAST_FLAGS, "--max_train_steps", "1",
+                  "--output_dir", str(tmp_path / "out")])
+    assert "1 process(es) on cpu, 1 CPU thread(s) each" in result.stdout
 
 
 @pytest.mark.multiprocess

@@ -1,28 +1,51 @@
-import pytest
+import subprocess
+import sys
+from dataclasses import dataclass
 
-from finetune.config import parse_config
+import pytest
+from conftest import REPO
+
+from finetune.config import SCHEDULERS, arg, parse_config
 from finetune.errors import UserError
 
 
-def test_defaults_match_the_documented_ones():
-    cfg = parse_config([])
-    assert cfg.model_name_or_path is None and cfg.output_dir == "outputs/classify"
+@dataclass
+class TaskOptions:
+    text_column: str = arg("text", "Column holding the text.")
+    tags: list[str] = arg(["a"], "Some names.")
+
+
+def parse(argv):
+    return parse_config(TaskOptions, argv, defaults={"output_dir": "outputs/task"})
+
+
+def test_defaults_match_the_documented_ones_and_a_recipe_sets_its_own():
+    cfg, task = parse([])
+    assert cfg.model_name_or_path is None and cfg.output_dir == "outputs/task"
     assert cfg.group_by_length is True and cfg.runtime == "auto"
+    assert task.text_column == "text" and task.tags == ["a"]
 
 
 def test_yaml_sets_values_and_the_command_line_overrides_it(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("learning_rate: 3.0e-5\nper_device_train_batch_size: 8\ngroup_by_length: false\n"
-                    "checkpointing_steps: 100\n")
-    cfg = parse_config(["--config", str(path), "--per_device_train_batch_size", "16"])
+                    "checkpointing_steps: 100\ntext_column: sentence\ntags: [x, y]\nmax_train_steps: null\n")
+    cfg, task = parse(["--config", str(path), "--per_device_train_batch_size", "16"])
     assert cfg.learning_rate == 3e-5
     assert cfg.per_device_train_batch_size == 16
     assert cfg.group_by_length is False
     assert cfg.checkpoint_every_steps == 100
+    assert task.text_column == "sentence" and task.tags == ["x", "y"]
 
 
 def test_no_group_by_length_flag_turns_grouping_off():
-    assert parse_config(["--no_group_by_length"]).group_by_length is False
+    assert parse(["--no_group_by_length"])[0].group_by_length is False
+
+
+def test_the_schedulers_checked_are_transformers_own():
+    from transformers import SchedulerType
+
+    assert list(SCHEDULERS) == [s.value for s in SchedulerType]
 
 
 @pytest.mark.parametrize(
@@ -37,20 +60,71 @@ def test_bad_yaml_files_are_refused(tmp_path, text, message):
     path = tmp_path / "run.yaml"
     path.write_text(text)
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        parse_config(["--config", str(path)])
+        parse(["--config", str(path)])
+
+
+# Each value is refused the same way from a YAML file as from the command line.
+BAD_VALUES = [
+    ("num_train_epochs", "2.5", "invalid int value: '2.5'"),
+    ("hub_strategy", "checkpoints", "invalid choice: 'checkpoints'"),
+    ("group_by_length", "3", "Truthy value expected"),
+    ("per_device_train_batch_size", "0", "must be a positive whole number"),
+    ("checkpointing_steps", "often", "positive number of steps or 'epoch'"),
+    ("lr_scheduler_type", "triangle", "is unknown"),
+    ("learning_rate", "fast", "invalid float value: 'fast'"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), BAD_VALUES, ids=[v[0] for v in BAD_VALUES])
+def test_a_bad_value_is_refused_alike_from_yaml_and_the_command_line(tmp_path, key, value, message):
+    with pytest.raises(UserError, match=message):
+        parse([f"--{key}", value])
+    path = tmp_path / "run.yaml"
+    path.write_text(f"{key}: {value}\n")
+    with pytest.raises(UserError, match=message):
+        parse(["--config", str(path)])
+
+
+def test_a_type_error_names_where_the_value_came_from(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("num_train_epochs: 2.5\n")
+    with pytest.raises(UserError, match=f"^--config {path}: argument --num_train_epochs/--num-train-epochs: invalid int value"):
+        parse(["--config", str(path)])
+    with pytest.raises(UserError, match="^the command line: argument --num_train_epochs/--num-train-epochs: invalid int value"):
+        parse(["--num_train_epochs", "2.5"])
+
+
+def test_yaml_lists_and_single_values_must_match_the_option(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("learning_rate: [1, 2]\n")
+    with pytest.raises(UserError, match="learning_rate must be a single value"):
+        parse(["--config", str(path)])
+    path.write_text("output_dir: null\n")
+    with pytest.raises(UserError, match="output_dir is empty"):
+        parse(["--config", str(path)])
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--per_device_train_batch_size", "0"], "must be a positive"),
         (["--max_train_steps", "-3"], "must be a positive"),
-        (["--checkpointing_steps", "often"], "positive number of steps or 'epoch'"),
-        (["--lr_scheduler_type", "triangle"], "is unknown"),
         (["--train_file", "a.csv"], "go together"),
         (["--dataset_name", "glue", "--train_file", "a.csv", "--validation_file", "b.csv"], "pass one data source"),
+        (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
     ],
 )
 def test_invalid_values_are_refused(argv, message):
     with pytest.raises(UserError, match=message):
-        parse_config(argv)
+        parse(argv)
+
+
+def test_a_mistake_in_the_flags_comes_back_before_the_training_libraries_load():
+    probe = ("import runpy, sys\n"
+             "sys.argv = ['recipes/classify.py', '--train_file', 'nope.csv']\n"
+             "try:\n    runpy.run_path('recipes/classify.py', run_name='__main__')\n"
+             "except SystemExit as exit:\n"
+             "    loaded = [m for m in ('accelerate', 'evaluate', 'sklearn', 'finetune.loop') if m in sys.modules]\n"
+             "    print(exit.code, loaded)\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "2 []", result.stdout + result.stderr
+    assert result.stderr.strip() == "error: --train_file and --validation_file go together; pass both"

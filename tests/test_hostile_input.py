@@ -1,7 +1,11 @@
-"""A catalogue of broken and hostile input: each ends in one error line, exit status 2, no change on disk.
+"""Broken and hostile input to the classify recipe, run in this process through ``run_main`` (what its command
+line calls) to keep the catalogue fast; ``test_bad_input.py`` checks the same contract on real processes.
 
-The recipe runs in this process (through the same ``run_main`` its command line uses) to keep the
-catalogue fast; ``test_bad_input.py`` checks the same contract on real processes.
+Each of the catalogue's cases (broken CSV rows, wrong encodings, missing or fractional labels, numbers where
+text belongs, empty texts, files that are not what their extension says, bad YAML, sizes and counts out of
+range, conflicting flags, a read-only output folder) must end with exactly one ``error:`` line naming the
+problem, exit status 2 and every file in the test's folder unchanged. Then: a full disk at save time is one
+clear error, and texts far over ``--max_seq_length`` are cut and counted rather than refused.
 """
 
 from __future__ import annotations

@@ -118,6 +118,9 @@ def test_failed_pushes_are_retried_then_reported_and_training_completes(hub, sma
     assert [c["summary"] for c in hub.commits("alice/flaky")] == ["Training in progress, step 6",
                                                                   "Final model, step 6"]
     assert "push it later with `hf upload alice/flaky" in result.stderr
+    assert "failed after 3 attempt(s)" in result.stderr
+    # 3 attempts for the first push, then one each for the checkpoint at step 6 and the final model.
+    assert sum(1 for method, path, _ in hub.requests if "/commit/" in path) == 5
     assert read_weights(out) and (out / "checkpoints" / "step_3" / "model.safetensors").is_file()
     assert list((out / "runs").rglob("events.out.tfevents.*")), "tracker output exists and holds no token"
     assert not any(name.startswith("runs/") for name in hub.files("alice/flaky"))

@@ -1,12 +1,13 @@
 import pytest
 from sklearn.metrics import f1_score
 
-from finetune.metrics import OfflineAccuracy, OfflineF1, classification_metrics, load_metric
+from finetune.metrics import classification_metrics, load_metric
 
 
 def test_offline_modules_are_used_when_offline_and_compute_sklearn_numbers():
-    assert isinstance(load_metric("accuracy"), OfflineAccuracy)  # conftest sets HF_HUB_OFFLINE=1
-    assert isinstance(load_metric("f1"), OfflineF1)
+    # conftest sets HF_HUB_OFFLINE=1, so the Hub's modules cannot be fetched.
+    assert type(load_metric("accuracy")).__name__ == "OfflineAccuracy"
+    assert type(load_metric("f1")).__name__ == "OfflineF1"
     predictions, references = [0, 1, 2, 2, 1, 0, 2], [0, 2, 2, 2, 1, 1, 0]
     metrics = classification_metrics(predictions, references, num_labels=3)
     assert metrics["accuracy"] == pytest.approx(4 / 7)

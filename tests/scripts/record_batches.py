@@ -1,31 +1,37 @@
 """Record which training examples each process gets, epoch by epoch, through a real runtime.
 
-Launched by the tests with accelerate launch or torchrun; writes OUT/rank_R.json.
+Launched by the tests with accelerate launch or torchrun; writes OUT/rank_R.json. Each batch the loader
+yields must be the batch the sampler's plan says it is: the loop scales each batch's loss by its plan.
 """
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
 import torch
 
+from finetune.batching import GlobalBatchSampler, TokenizedDataset
 from finetune.config import parse_config
-from finetune.data import GlobalBatchSampler, TokenizedDataset
-from finetune.runtime import make_runtime
+from finetune.launcher import make_runtime
+
+
+@dataclass
+class NoOptions:
+    pass
+
 
 out = Path(sys.argv[1])
-cfg = parse_config(sys.argv[2:])
+cfg, _ = parse_config(NoOptions, sys.argv[2:])
 lengths = [(i * 7) % 23 + 1 for i in range(45)]  # 45 examples: the last global batch is short
-dataset = TokenizedDataset(datasets.Dataset.from_dict({"input_ids": [[i] * n for i, n in enumerate(lengths)]}))
+dataset = TokenizedDataset({"input_ids": [[i] * n for i, n in enumerate(lengths)]})
 
 
 def collate(rows):
-    return {"ids": torch.tensor([row["input_ids"][0] for row in rows]),
-            "loss_weight": torch.tensor([row.get("loss_weight", 1.0) for row in rows])}
+    return {"ids": torch.tensor([row["input_ids"][0] for row in rows])}
 
 
-with make_runtime(cfg) as runtime:
+with make_runtime(cfg, tracking=None) as runtime:
     sampler = GlobalBatchSampler(lengths, cfg.per_device_train_batch_size, runtime.world_size, seed=cfg.seed,
                                  group_by_length=cfg.group_by_length)
     model = torch.nn.Linear(1, 1)
@@ -35,6 +41,10 @@ with make_runtime(cfg) as runtime:
                                          runtime.eval_loader(dataset, 4, collate))
     seen = []
     for epoch in range(2):
-        epoch_ids = [batch["ids"][batch["loss_weight"] > 0].tolist() for batch in runtime.epoch_batches(loader, epoch)]
+        epoch_ids = []
+        for batch, planned in zip(runtime.epoch_batches(loader, epoch), sampler.plan(epoch, runtime.rank),
+                                  strict=True):
+            assert batch["ids"].tolist() == list(planned), (batch["ids"].tolist(), list(planned))
+            epoch_ids.append(list(planned)[:planned.num_real])
         seen.append(epoch_ids)
     (out / f"rank_{runtime.rank}.json").write_text(json.dumps({"world_size": runtime.world_size, "epochs": seen}))

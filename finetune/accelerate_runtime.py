@@ -1,0 +1,122 @@
+"""The runtime on ``accelerate.Accelerator``: launch with ``accelerate launch`` (or plain python)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.utils import ProjectConfiguration
+from torch.utils.data import DataLoader
+
+from finetune.batching import GlobalBatchSampler
+from finetune.ddp import init_distributed
+from finetune.environment import LaunchEnvironment
+from finetune.errors import UserError
+from finetune.runtime import Runtime, TrackerSettings, own_generator
+
+__all__ = ["AccelerateRuntime"]
+
+
+class AccelerateRuntime(Runtime):
+    name = "accelerate"
+
+    def __init__(self, *, mixed_precision: str | None, gradient_accumulation_steps: int, seed: int,
+                 ddp_timeout: timedelta, project_dir: str, tracking: TrackerSettings | None):
+        env = LaunchEnvironment.read()
+        self._train_sampler: GlobalBatchSampler | None = None
+        self.seed = seed
+        cpu = not torch.accelerator.is_available()
+        if env.world_size > 1 and env.restart_count > 0:
+            # Accelerate would join through the store the dead attempt left behind; it adopts a group
+            # that already exists, so form a fresh one for this attempt first.
+            init_distributed("gloo" if cpu else None, ddp_timeout)
+        self.accelerator = Accelerator(
+            # Without cpu=True a multi-process launch on a machine with no accelerator starts processes
+            # that each train alone; with it they form one gloo group.
+            cpu=cpu,
+            mixed_precision=mixed_precision,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            # Our scheduler counts optimizer steps, the same at any world size; Accelerate would step it
+            # once per process per optimizer step.
+            step_scheduler_with_optimizer=False,
+            dataloader_config=DataLoaderConfiguration(even_batches=True),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=ddp_timeout)],
+            log_with=tracking.report_to if tracking else None,
+            project_config=ProjectConfiguration(project_dir=project_dir,
+                                                logging_dir=tracking.logging_dir if tracking else None),
+        )
+        if self.accelerator.num_processes != env.world_size:
+            raise UserError(
+                f"{env.world_size} processes were launched but Accelerate sees {self.accelerator.num_processes}: "
+                "they are not one process group; launch with accelerate_configs/cpu_ddp.yaml or set use_cpu: true")
+        self.world_size = self.accelerator.num_processes
+        self.rank = self.accelerator.process_index
+        self.device = self.accelerator.device
+        if tracking:
+            self.accelerator.init_trackers(tracking.project, config=tracking.config)
+
+    def train_loader(self, dataset, sampler, collate_fn):
+        # Accelerate shards batches round-robin, which is how the sampler lays out ranks' shares.
+        self._train_sampler = sampler
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, generator=own_generator(self.seed))
+
+    def eval_loader(self, dataset, batch_size, collate_fn):
+        return DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_fn,
+                          generator=own_generator(self.seed))
+
+    def prepare(self, model, optimizer, scheduler, *loaders):
+        return self.accelerator.prepare(model, optimizer, scheduler, *loaders)
+
+    def epoch_batches(self, train_loader, epoch, skip_batches=0):
+        # The prepared loader re-applies its own epoch counter to an unsharded sampler on every pass, so
+        # both are set.
+        train_loader.set_epoch(epoch)
+        self._train_sampler.set_epoch(epoch)
+        if skip_batches:
+            return self.accelerator.skip_first_batches(train_loader, skip_batches)
+        return train_loader
+
+    def accumulate(self, model):
+        return self.accelerator.accumulate(model)
+
+    @property
+    def sync_gradients(self):
+        return self.accelerator.sync_gradients
+
+    def backward(self, loss):
+        # Accelerate divides by the accumulation steps (as DeepSpeed's engine does); the loop's loss is
+        # already normalised over the window, so that division is undone.
+        self.accelerator.backward(loss * self.accelerator.gradient_accumulation_steps)
+
+    def clip_grad_norm_(self, model, max_norm):
+        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
+    def gather_for_metrics(self, tensors, pad_index=-100):
+        padded = tuple(self.accelerator.pad_across_processes(t, dim=1, pad_index=pad_index) if t.dim() > 1 else t
+                       for t in tensors)
+        return self.accelerator.gather_for_metrics(padded)
+
+    def reduce_sum(self, tensor):
+        return self.accelerator.reduce(tensor, reduction="sum")
+
+    def wait_for_everyone(self):
+        self.accelerator.wait_for_everyone()
+
+    def unwrap(self, model):
+        return self.accelerator.unwrap_model(model)
+
+    def unwrapped_state_dict(self, model):
+        return self.accelerator.get_state_dict(model)
+
+    def _save_state(self, folder):
+        self.accelerator.save_state(str(folder))
+
+    def _load_state(self, folder):
+        self.accelerator.load_state(str(folder))
+
+    def log(self, values, step):
+        self.accelerator.log(values, step=step)
+
+    def close(self):
+        self.accelerator.end_training()

@@ -1,0 +1,82 @@
+"""Sentence classification's data: label ids and checked, tokenized texts."""
+
+from __future__ import annotations
+
+import math
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+from finetune.errors import UserError
+
+__all__ = ["encode_labels", "tokenize_texts"]
+
+
+def encode_labels(train: datasets.Dataset, validation: datasets.Dataset, column: str):
+    """``(label names, train, validation)`` with ``column`` replaced by ``labels``: ids into the names.
+
+    String labels map to ids in sorted order; a ``ClassLabel`` keeps its names.
+
+    Raises:
+        UserError: a missing or fractional label, a single class, or validation labels training never has.
+    """
+    feature = train.features[column]
+    if isinstance(feature, datasets.ClassLabel):
+        names = list(feature.names)
+        encode = None
+    else:
+        names = [str(v) for v in sorted(set(_label_values(train, column, "train")))]
+        encode = {name: i for i, name in enumerate(names)}
+    if len(names) < 2:
+        raise UserError(f"training labels have a single class ({names[0]!r}); classification needs at least two")
+    if encode is None:
+        eval_feature = validation.features[column]
+        if not isinstance(eval_feature, datasets.ClassLabel) or list(eval_feature.names) != names:
+            raise UserError("validation labels are not the same classes as training labels; use one label set")
+        if column != "labels":
+            train, validation = train.rename_column(column, "labels"), validation.rename_column(column, "labels")
+        return names, train, validation
+
+    unseen = sorted({str(v) for v in _label_values(validation, column, "validation")} - set(encode))
+    if unseen:
+        raise UserError(f"validation data has label(s) {', '.join(unseen[:5])} that training data never has; "
+                        "add examples of them to training or remove them")
+
+    def to_ids(batch):
+        return {"labels": [encode[str(v)] for v in batch[column]]}
+
+    return (names, train.map(to_ids, batched=True, remove_columns=[column], keep_in_memory=True),
+            validation.map(to_ids, batched=True, remove_columns=[column], keep_in_memory=True))
+
+
+def _label_values(split: datasets.Dataset, column: str, name: str) -> list:
+    values = split[column]
+    for row, value in enumerate(values):
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            raise UserError(f"{name} data row {row + 1} has no label in column {column!r}; fill it in or drop the row")
+        if isinstance(value, float) and not value.is_integer():
+            raise UserError(
+                f"{name} data row {row + 1} has label {value} in column {column!r}; labels must be class names or ids")
+    return [int(v) if isinstance(v, float) else v for v in values]
+
+
+def tokenize_texts(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, columns: list[str],
+                   max_length: int, name: str) -> dict[str, list]:
+    """Token ids of ``columns`` (a text, or a text pair), truncated to ``max_length``, unpadded, with the rest.
+
+    Raises:
+        UserError: a text that is missing, empty or not a string, with its row in split ``name``.
+    """
+
+    def encode(batch, rows):
+        for column in columns:
+            for row, value in zip(rows, batch[column], strict=True):
+                if not isinstance(value, str):
+                    raise UserError(f"{name} data row {row + 1}: column {column!r} holds {value!r}, not text; "
+                                    "fix the data or pick the right --text_column")
+                if not value.strip():
+                    raise UserError(f"{name} data row {row + 1}: column {column!r} is empty; fill it in or drop "
+                                    "the row")
+        return tokenizer(*(batch[column] for column in columns), truncation=True, max_length=max_length)
+
+    return split.map(encode, batched=True, with_indices=True, remove_columns=columns, keep_in_memory=True).to_dict()

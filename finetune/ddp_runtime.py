@@ -1,0 +1,189 @@
+"""The training loop's runtime on raw ``torch.distributed`` (``finetune.ddp``), for ``torchrun``.
+
+Checkpoints use the file names and contents ``accelerator.save_state`` writes, so either runtime resumes
+the other's checkpoints.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from finetune.ddp import (
+    all_gather_padded,
+    all_reduce_sum,
+    destroy_distributed,
+    init_distributed,
+    unwrap,
+    wrap_model,
+)
+from finetune.errors import UserError
+from finetune.runtime import Runtime, TrackerSettings, own_generator
+
+__all__ = ["DDPRuntime"]
+
+_RNG_STATE_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType, codecs.encode]
+"""What numpy's RNG state needs to unpickle, and nothing that could run code."""
+
+
+class _OrderedEval:
+    """An evaluation loader that tells the runtime how many real examples each pass holds."""
+
+    def __init__(self, loader: DataLoader, runtime: DDPRuntime):
+        self.loader = loader
+        self.runtime = runtime
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        self.runtime._eval_remaining = len(self.loader.dataset)
+        for batch in self.loader:
+            yield self.runtime._to_device(batch)
+
+
+class DDPRuntime(Runtime):
+    name = "ddp"
+
+    def __init__(self, *, mixed_precision: str | None, gradient_accumulation_steps: int, seed: int,
+                 backend: str | None, ddp_timeout: timedelta, tracking: TrackerSettings | None):
+        if mixed_precision == "fp16":
+            raise UserError("--mixed_precision fp16 needs a gradient scaler; use bf16, or --runtime accelerate")
+        if tracking and tracking.report_to not in ("all", "tensorboard"):
+            raise UserError(f"--report_to {tracking.report_to} is not supported by --runtime ddp; use tensorboard")
+        self.info = init_distributed(backend, ddp_timeout)
+        self.world_size, self.rank, self.device = self.info.world_size, self.info.rank, self.info.device
+        self.accumulation_steps = gradient_accumulation_steps
+        self.seed = seed
+        self.bf16 = mixed_precision == "bf16"
+        self._sync = True
+        self._eval_remaining = 0
+        self._model = self._optimizer = self._scheduler = None
+        self._writer = None
+        if tracking and self.is_main_process:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=os.path.join(tracking.logging_dir, tracking.project))
+
+    def train_loader(self, dataset, sampler, collate_fn):
+        # No loader shards batches for us: the sampler yields this rank's shares only.
+        self.train_sampler = sampler.for_rank(self.rank)
+        return DataLoader(dataset, batch_sampler=self.train_sampler, collate_fn=collate_fn,
+                          generator=own_generator(self.seed), pin_memory=self.device.type == "cuda")
+
+    def eval_loader(self, dataset, batch_size, collate_fn):
+        # DistributedSampler pads the set to a multiple of the world size with repeats; gather_for_metrics
+        # drops them again.
+        sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=False)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                            generator=own_generator(self.seed))
+        return _OrderedEval(loader, self)
+
+    def prepare(self, model, optimizer, scheduler, *loaders):
+        model.to(self.device)
+        if self.bf16:
+            model.forward = torch.autocast(self.device.type, dtype=torch.bfloat16)(model.forward)
+        self._model = wrap_model(model, self.info)
+        self._optimizer, self._scheduler = optimizer, scheduler
+        return self._model, optimizer, scheduler, *loaders
+
+    def _to_device(self, batch):
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def epoch_batches(self, train_loader, epoch, skip_batches=0):
+        self.train_sampler.set_epoch(epoch)
+        total = len(train_loader)
+        for index, batch in enumerate(train_loader):
+            if index < skip_batches:
+                continue
+            self._sync = (index + 1) % self.accumulation_steps == 0 or index + 1 == total
+            yield self._to_device(batch)
+
+    def accumulate(self, model):
+        # Skip DDP's gradient all-reduce on every micro-step but the window's last.
+        if self._sync or not isinstance(model, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+    @property
+    def sync_gradients(self):
+        return self._sync
+
+    def backward(self, loss):
+        loss.backward()
+
+    def clip_grad_norm_(self, model, max_norm):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def gather_for_metrics(self, tensors, pad_index=-100):
+        gathered = []
+        for tensor in tensors:
+            parts = all_gather_padded(tensor, pad_index)
+            # Rank r's j-th example is example j * world_size + r of the (padded) set: interleave back.
+            gathered.append(torch.stack(parts, dim=1).flatten(0, 1))
+        keep = min(self._eval_remaining, len(gathered[0]))
+        self._eval_remaining -= keep
+        return tuple(values[:keep] for values in gathered)
+
+    def reduce_sum(self, tensor):
+        return all_reduce_sum(tensor)
+
+    def wait_for_everyone(self):
+        if dist.is_initialized():
+            dist.barrier()
+
+    def unwrap(self, model):
+        return unwrap(model)
+
+    def unwrapped_state_dict(self, model):
+        return unwrap(model).state_dict()
+
+    def _save_state(self, folder):
+        if self.is_main_process:
+            state = {k: v.contiguous() for k, v in self.unwrapped_state_dict(self._model).items()}
+            save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+            torch.save(self._optimizer.state_dict(), folder / "optimizer.bin")
+            torch.save(self._scheduler.state_dict(), folder / "scheduler.bin")
+        rng = {
+            "step": 0,
+            "random_state": random.getstate(),
+            "numpy_random_seed": np.random.get_state(),
+            "torch_manual_seed": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, folder / f"random_states_{self.rank}.pkl")
+
+    def _load_state(self, folder):
+        unwrap(self._model).load_state_dict(load_file(folder / "model.safetensors", device=str(self.device)))
+        self._optimizer.load_state_dict(torch.load(folder / "optimizer.bin", map_location=self.device,
+                                                   weights_only=True))
+        self._scheduler.load_state_dict(torch.load(folder / "scheduler.bin", weights_only=True))
+        with torch.serialization.safe_globals(_RNG_STATE_GLOBALS):
+            rng = torch.load(folder / f"random_states_{self.rank}.pkl", weights_only=True)
+        random.setstate(rng["random_state"])
+        np.random.set_state(rng["numpy_random_seed"])
+        torch.set_rng_state(rng["torch_manual_seed"])
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in rng:
+            torch.cuda.set_rng_state_all(rng["torch_cuda_manual_seed"])
+
+    def log(self, values, step):
+        if self._writer is not None:
+            for key, value in values.items():
+                self._writer.add_scalar(key, value, step)
+
+    def close(self):
+        if self._writer is not None:
+            self._writer.close()
+        destroy_distributed()

@@ -1,0 +1,47 @@
+"""What the launcher (torchrun, accelerate launch, Slurm's srun around them) told this process.
+
+Every environment variable the package reads is read here, once, into a frozen dataclass.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["LaunchEnvironment"]
+
+
+@dataclass(frozen=True)
+class LaunchEnvironment:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    restart_count: int = 0
+    """How often torchrun's agent restarted the workers (``TORCHELASTIC_RESTART_COUNT``)."""
+    torchrun: bool = False
+    """Started by torchrun's agent (which ``accelerate launch`` also uses for several processes)."""
+    accelerate: bool = False
+    """Started by ``accelerate launch``, which sets ``ACCELERATE_*`` variables."""
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    agent_store: bool = False
+    """The agent hosts the rendezvous store (``TORCHELASTIC_USE_AGENT_STORE``): workers only connect to it."""
+    omp_num_threads: str | None = None
+
+    @classmethod
+    def read(cls) -> LaunchEnvironment:
+        env = os.environ
+        return cls(
+            rank=int(env.get("RANK", "0")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            torchrun="TORCHELASTIC_RUN_ID" in env,
+            accelerate=any(key.startswith("ACCELERATE_") for key in env),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            omp_num_threads=env.get("OMP_NUM_THREADS"),
+        )

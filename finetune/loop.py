@@ -1,0 +1,281 @@
+"""The training loop every recipe shares: ``train(task, cfg)``.
+
+It owns what is the same for every task: the process group and devices (through a ``Runtime``), the
+global-batch plan and loss normalisation, accumulation, clipping, the schedule, logging, the evaluation
+and checkpoint cadence, resume and restart, the final unwrapped save, ``all_results.json`` and the Hub
+pushes. The task (``finetune.task.Task``) brings its data, model, loss, metrics and how it saves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import get_scheduler, set_seed
+
+from finetune.batching import GlobalBatchSampler
+from finetune.checkpoint import (
+    Progress,
+    check_output_dir,
+    check_unwrapped,
+    read_progress,
+    resolve_resume_checkpoint,
+)
+from finetune.config import TrainConfig
+from finetune.environment import LaunchEnvironment
+from finetune.errors import UserError
+from finetune.hub import HubPusher, download_last_checkpoint, model_card
+from finetune.launcher import make_runtime
+from finetune.models import optimizer_param_groups
+from finetune.runtime import Runtime, TrackerSettings
+from finetune.task import Task
+
+__all__ = ["train"]
+
+CARD_HYPER_PARAMETERS = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
+                         "num_train_epochs", "max_train_steps", "lr_scheduler_type", "num_warmup_steps",
+                         "weight_decay", "max_grad_norm", "max_seq_length", "seed", "group_by_length")
+
+
+def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
+    """Fine-tune ``task``'s model as ``cfg`` says, save it to ``cfg.output_dir``; returns ``all_results``.
+
+    ``task_options`` (the recipe's own dataclass) is recorded with ``cfg`` by the experiment trackers.
+
+    Raises:
+        UserError: bad input anywhere (data, flags, checkpoints, Hub access), or failed pushes under
+            ``--hub_strict``.
+    """
+    # -- where the run starts: a fresh output folder, or a checkpoint to continue from
+    env = LaunchEnvironment.read()
+    resume_spec = cfg.resume_from_checkpoint
+    if resume_spec is None and env.restart_count > 0:
+        resume_spec = "latest"  # the launcher restarted the job after a failure: continue, don't start over
+    if resume_spec and resume_spec.startswith("hub:"):
+        resume_spec = str(download_last_checkpoint(resume_spec, cfg.hub_revision, cfg.hub_token))
+    resume_from = resolve_resume_checkpoint(resume_spec, cfg.output_dir)
+    check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resuming=resume_from is not None)
+
+    with make_runtime(cfg, _tracker_settings(task, cfg, task_options)) as runtime:
+        set_seed(cfg.seed)
+        hub = HubPusher(enabled=cfg.push_to_hub and runtime.is_main_process, output_dir=cfg.output_dir,
+                        repo_id=cfg.hub_model_id, token=cfg.hub_token, private=cfg.hub_private_repo,
+                        revision=cfg.hub_revision, strategy=cfg.hub_strategy, timeout=cfg.hub_timeout)
+
+        # -- data and model, from the task; training batches planned globally (see finetune.batching)
+        setup = task.setup(cfg)
+        sampler = GlobalBatchSampler(setup.train_set.lengths, cfg.per_device_train_batch_size, runtime.world_size,
+                                     seed=cfg.seed, group_by_length=cfg.group_by_length,
+                                     accumulation_steps=cfg.gradient_accumulation_steps,
+                                     loss_units=setup.train_set.loss_units)
+        train_loader = runtime.train_loader(setup.train_set, sampler, setup.collate)
+        eval_loader = runtime.eval_loader(setup.eval_set, cfg.per_device_eval_batch_size, setup.collate)
+
+        # -- optimizer and schedule, both counted in optimizer steps
+        # fused: one kernel over all parameters instead of a dozen passes over memory per step.
+        optimizer = torch.optim.AdamW(optimizer_param_groups(setup.model, cfg.weight_decay), lr=cfg.learning_rate,
+                                      fused=True)
+        steps_per_epoch = math.ceil(sampler.batches_per_rank / cfg.gradient_accumulation_steps)
+        max_steps = cfg.max_train_steps or cfg.num_train_epochs * steps_per_epoch
+        num_epochs = math.ceil(max_steps / steps_per_epoch)
+        scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps, max_steps)
+        model, optimizer, scheduler, train_loader, eval_loader = runtime.prepare(
+            setup.model, optimizer, scheduler, train_loader, eval_loader)
+
+        # -- resume: weights, optimizer, schedule, RNG and the position in the epoch
+        progress = Progress(world_size=runtime.world_size, runtime=runtime.name, seed=cfg.seed)
+        if resume_from:
+            progress = read_progress(resume_from)
+            if progress.world_size != runtime.world_size:
+                raise UserError(
+                    f"{resume_from} was written by {progress.world_size} processes and this run has "
+                    f"{runtime.world_size}; the data order depends on it, so resume with {progress.world_size}")
+            runtime.load_state(resume_from)
+            runtime.print(f"resumed from {resume_from} at step {progress.global_step}")
+
+        runtime.print(
+            f"training {task.name} on {setup.data_source}: {len(setup.train_set)} examples ({setup.truncated} cut "
+            f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {max_steps} steps, {runtime.world_size} "
+            f"process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU thread(s) each [{runtime.name}]")
+
+        def evaluate_and_log():
+            metrics, outputs = _evaluate(runtime, task, model, eval_loader)
+            runtime.log(metrics, step=progress.global_step)
+            return metrics, outputs
+
+        def save_checkpoint():
+            folder = runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)
+            hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, setup.tokenizer)
+
+        # -- train
+        if runtime.is_main_process:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+        progress_bar = tqdm(total=max_steps, initial=progress.global_step, disable=not runtime.is_main_process)
+        interval_loss = torch.zeros((), device=runtime.device)  # summed on the device: no host sync per step
+        interval_units = interval_examples = 0
+        total_loss, total_units, total_examples = 0.0, 0, 0
+        grad_norm = None
+        start = last_log = time.perf_counter()
+        metrics, eval_outputs, evaluated_at = {}, None, None
+        for epoch in range(progress.epoch, num_epochs):
+            progress.epoch = epoch
+            model.train()
+            plan = sampler.plan(epoch, runtime.rank)[progress.batches_in_epoch:]
+            batches = runtime.epoch_batches(train_loader, epoch, skip_batches=progress.batches_in_epoch)
+            for batch, planned in zip(batches, plan, strict=True):
+                # forward backward update; gradients are all-reduced only at the end of a window
+                with runtime.accumulate(model):
+                    loss = task.loss(model, batch)
+                    runtime.backward(loss * planned.loss_scale)
+                    if runtime.sync_gradients:
+                        if cfg.max_grad_norm > 0:  # clip the gradient; its norm before clipping is logged
+                            grad_norm = runtime.clip_grad_norm_(model, cfg.max_grad_norm)
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad()
+                if planned.num_real:
+                    interval_loss += loss.detach().float()
+                    interval_units += planned.units
+                    interval_examples += planned.num_real
+                progress.batches_in_epoch += 1
+                if not runtime.sync_gradients:
+                    continue
+                progress.global_step += 1
+                progress_bar.update(1)
+
+                # log, evaluate and checkpoint at their cadence
+                if progress.global_step % cfg.logging_steps == 0 or progress.global_step == max_steps:
+                    counts = torch.tensor([interval_units, interval_examples], device=runtime.device)
+                    loss_sum, units, examples = runtime.reduce_sum(torch.cat([interval_loss[None], counts])).tolist()
+                    total_loss, total_units = total_loss + loss_sum, total_units + int(units)
+                    total_examples += int(examples)
+                    now = time.perf_counter()
+                    logs = {"loss": loss_sum / units, "learning_rate": scheduler.get_last_lr()[0],
+                            "samples_per_second": examples / (now - last_log), "epoch": epoch}
+                    if grad_norm is not None:
+                        logs["grad_norm"] = float(grad_norm)
+                    interval_loss.zero_()
+                    interval_units = interval_examples = 0
+                    last_log = now
+                    runtime.log(logs, step=progress.global_step)
+                    if runtime.is_main_process:
+                        with open(Path(cfg.output_dir) / "log_history.jsonl", "a") as f:
+                            f.write(json.dumps({"step": progress.global_step, **logs}) + "\n")
+                    progress_bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
+                                             samples_per_s=f"{logs['samples_per_second']:.1f}")
+                if cfg.eval_steps and progress.global_step % cfg.eval_steps == 0:
+                    (metrics, eval_outputs), evaluated_at = evaluate_and_log(), progress.global_step
+                    model.train()
+                if cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0:
+                    save_checkpoint()
+                if progress.global_step >= max_steps:
+                    break
+            if progress.batches_in_epoch == sampler.batches_per_rank:
+                progress.epoch, progress.batches_in_epoch = epoch + 1, 0
+                if cfg.checkpointing_steps == "epoch":
+                    save_checkpoint()
+
+            if evaluated_at != progress.global_step:  # --eval_steps may have just evaluated this model
+                (metrics, eval_outputs), evaluated_at = evaluate_and_log(), progress.global_step
+            runtime.print(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            if progress.global_step >= max_steps:
+                break
+        progress_bar.close()
+        train_runtime = time.perf_counter() - start
+        if evaluated_at != progress.global_step:  # resumed from a checkpoint taken after the last step
+            metrics, eval_outputs = _evaluate(runtime, task, model, eval_loader)
+
+        # -- save: every process reaches this point, the main process writes the unwrapped model
+        runtime.wait_for_everyone()
+        results = {
+            **metrics,
+            "train_loss": total_loss / max(total_units, 1),
+            "train_runtime": train_runtime,
+            "train_samples_per_second": total_examples / train_runtime,
+            "epoch": progress.global_step / steps_per_epoch,
+            "global_step": progress.global_step,
+            "runtime": runtime.name,
+            "world_size": runtime.world_size,
+        }
+        _save(runtime, task, cfg, model, setup, hub, results, eval_outputs)
+        runtime.wait_for_save()
+        runtime.print(f"saved the model to {cfg.output_dir}\n" + json.dumps(results, indent=2))
+
+        # -- the end: only the main process waits for its uploads (bounded by --hub_timeout)
+        pushes = hub.finish()
+        if pushes:
+            results["hub_pushes"] = pushes
+            _write_json(Path(cfg.output_dir) / "all_results.json", results)
+            failed = [p for p in pushes if "error" in p]
+            if failed and cfg.hub_strict:
+                raise UserError(f"{len(failed)} of {len(pushes)} Hub pushes failed and --hub_strict is set; "
+                                f"the model is saved in {cfg.output_dir}")
+        return results
+
+
+def _evaluate(runtime: Runtime, task: Task, model, eval_loader) -> tuple[dict[str, float], tuple]:
+    """Exact metrics over the whole evaluation set (each example once, whatever the world size), and
+    every example's outputs in order."""
+    model.eval()
+    batches = []
+    with torch.no_grad():
+        for batch in eval_loader:
+            gathered = runtime.gather_for_metrics(task.eval_outputs(model, batch))
+            batches.append([values.cpu() for values in gathered])
+    outputs = tuple(_concat_padded(list(column)) for column in zip(*batches, strict=True))
+    return {f"eval_{name}": value for name, value in task.metrics(outputs).items()}, outputs
+
+
+def _concat_padded(tensors: list[torch.Tensor], pad_index: int = -100) -> torch.Tensor:
+    """Concatenate along the batch dimension, padding a second dimension with ``pad_index`` to the longest."""
+    if tensors[0].dim() > 1:
+        longest = max(t.shape[1] for t in tensors)
+        tensors = [torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [0, longest - t.shape[1]], value=pad_index)
+                   for t in tensors]
+    return torch.cat(tensors)
+
+
+def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, setup, hub: HubPusher, results: dict,
+          eval_outputs: tuple) -> None:
+    """The final model, ``all_results.json``, the predictions and the model card; the final push."""
+    state_dict = runtime.unwrapped_state_dict(model)
+    check_unwrapped(state_dict)
+    if not runtime.is_main_process:
+        return
+    try:
+        task.save(runtime.unwrap(model), state_dict, setup.tokenizer, cfg.output_dir)
+        _write_json(Path(cfg.output_dir) / "all_results.json", results)
+        task.write_predictions(eval_outputs, cfg.output_dir)
+    except OSError as err:
+        raise UserError(f"cannot write the model to {cfg.output_dir} ({err.strerror or err}); free disk space or "
+                        "choose another --output_dir") from None
+    if cfg.push_to_hub:
+        local_model = cfg.model_name_or_path and os.path.isdir(os.path.expanduser(cfg.model_name_or_path))
+        base_model = None if local_model else cfg.model_name_or_path or task.card.default_base_model
+        card = model_card(base_model=base_model, task=task.card,
+                          recipe=task.name, repo_id=hub.repo_id, title=Path(cfg.output_dir).name,
+                          data_source=setup.data_source, results=results, command=sys.argv,
+                          hyper_parameters={name: getattr(cfg, name) for name in CARD_HYPER_PARAMETERS})
+        card.save(os.path.join(cfg.output_dir, "README.md"))
+    hub.push_final(cfg.output_dir, results["global_step"])
+
+
+def _write_json(path: Path, values: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(values, f, indent=2)
+
+
+def _tracker_settings(task: Task, cfg: TrainConfig, task_options) -> TrackerSettings | None:
+    if not cfg.with_tracking:
+        return None
+    options = {**dataclasses.asdict(cfg), **(dataclasses.asdict(task_options) if task_options else {})}
+    tracked = {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool)) and k != "hub_token"}
+    return TrackerSettings(report_to=cfg.report_to, project=task.name,
+                           logging_dir=os.path.join(cfg.output_dir, "runs"), config=tracked)

@@ -1,0 +1,42 @@
+import pytest
+
+from finetune.classification import encode_labels
+from finetune.data import load_splits
+from finetune.default_dataset import make_support_tickets
+from finetune.errors import UserError
+
+
+def load(train, validation):
+    raw, _ = load_splits(str(train), str(validation), None, None, False, make_support_tickets, "default")
+    return encode_labels(raw["train"], raw["validation"], "label")
+
+
+def test_string_labels_become_sorted_ids(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"text": "a", "label": "pos"}\n{"text": "b", "label": "neg"}\n')
+    (tmp_path / "validation.jsonl").write_text('{"text": "c", "label": "neg"}\n')
+    names, train, validation = load(tmp_path / "train.jsonl", tmp_path / "validation.jsonl")
+    assert names == ["neg", "pos"]
+    assert train["labels"] == [1, 0] and validation["labels"] == [0]
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".parquet", ".json"])
+def test_other_file_types_load(tmp_path, suffix):
+    import pandas as pd
+
+    frame = pd.DataFrame({"text": ["x", "y", "z"], "label": [0, 1, 1]})
+    for split in ("train", "validation"):
+        path = tmp_path / f"{split}{suffix}"
+        if suffix == ".tsv":
+            frame.to_csv(path, sep="\t", index=False)
+        elif suffix == ".parquet":
+            frame.to_parquet(path)
+        else:
+            frame.to_json(path, orient="records")
+    names, train, _ = load(tmp_path / f"train{suffix}", tmp_path / f"validation{suffix}")
+    assert names == ["0", "1"] and len(train) == 3
+
+
+def test_a_single_class_is_refused(tmp_path):
+    (tmp_path / "t.csv").write_text("text,label\na,x\nb,x\n")
+    with pytest.raises(UserError, match="single class"):
+        load(tmp_path / "t.csv", tmp_path / "t.csv")
