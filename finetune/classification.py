@@ -7,6 +7,7 @@ import math
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from finetune.batching import TokenizedDataset
 from finetune.errors import UserError
 
 __all__ = ["encode_labels", "tokenize_texts"]
@@ -61,7 +62,7 @@ def _label_values(split: datasets.Dataset, column: str, name: str) -> list:
 
 
 def tokenize_texts(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, columns: list[str],
-                   max_length: int, name: str) -> dict[str, list]:
+                   max_length: int, name: str) -> TokenizedDataset:
     """Token ids of ``columns`` (a text, or a text pair), truncated to ``max_length``, unpadded, with the rest.
 
     Raises:
@@ -79,4 +80,5 @@ def tokenize_texts(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, 
                                     "the row")
         return tokenizer(*(batch[column] for column in columns), truncation=True, max_length=max_length)
 
-    return split.map(encode, batched=True, with_indices=True, remove_columns=columns, keep_in_memory=True).to_dict()
+    encoded = split.map(encode, batched=True, with_indices=True, remove_columns=columns, keep_in_memory=True)
+    return TokenizedDataset(encoded.to_dict())

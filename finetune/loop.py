@@ -100,8 +100,9 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             runtime.load_state(resume_from)
             runtime.print(f"resumed from {resume_from} at step {progress.global_step}")
 
+        truncated = sum(length >= cfg.max_seq_length for length in setup.train_set.lengths)
         runtime.print(
-            f"training {task.name} on {setup.data_source}: {len(setup.train_set)} examples ({setup.truncated} cut "
+            f"training {task.name} on {setup.data_source}: {len(setup.train_set)} examples ({truncated} cut "
             f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {max_steps} steps, {runtime.world_size} "
             f"process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU thread(s) each [{runtime.name}]")
 

@@ -1,7 +1,8 @@
-"""Classification metrics through ``evaluate``, with offline equivalents of the Hub's modules.
+"""Metrics through ``evaluate``, with offline equivalents of the Hub's modules.
 
 ``evaluate.load("accuracy")`` fetches the module's script from the Hub. The modules built here compute the
-same numbers (both call scikit-learn, as the Hub's do) and are used when the Hub cannot be reached.
+same numbers (accuracy and F1 call scikit-learn, as the Hub's do; seqeval's entity scores are
+``finetune.tagging.entity_scores``, tested against seqeval) and are used when the Hub cannot be reached.
 ``evaluate`` and scikit-learn load with the first metric (about 2 s), not with this module, so that a
 recipe's flags are checked before they load.
 """
@@ -34,6 +35,8 @@ def _offline_modules() -> dict[str, type]:
     import evaluate
     from sklearn.metrics import accuracy_score, f1_score
 
+    from finetune.tagging import entity_scores
+
     features = datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")})
 
     class OfflineAccuracy(evaluate.Metric):
@@ -61,7 +64,19 @@ def _offline_modules() -> dict[str, type]:
             return {"f1": float(f1_score(references, predictions, labels=labels, pos_label=pos_label,
                                          average=average, sample_weight=sample_weight))}
 
-    return {"accuracy": OfflineAccuracy, "f1": OfflineF1}
+    class OfflineSeqeval(evaluate.Metric):
+        """Entity-level precision, recall and F1 (overall and per type) and word accuracy, as seqeval."""
+
+        def _info(self):
+            tags = datasets.Sequence(datasets.Value("string"))
+            return evaluate.MetricInfo(description="seqeval's entity-level scores for BIO tags.", citation="",
+                                       inputs_description="predictions and references: a list of tags per sentence",
+                                       features=datasets.Features({"predictions": tags, "references": tags}))
+
+        def _compute(self, predictions, references):
+            return entity_scores(references, predictions)
+
+    return {"accuracy": OfflineAccuracy, "f1": OfflineF1, "seqeval": OfflineSeqeval}
 
 
 def classification_metrics(predictions, references, num_labels: int) -> dict[str, float]:

@@ -29,8 +29,6 @@ class TaskSetup:
     """For the start-up line, e.g. ``"4 labels"``."""
     data_source: str
     """Where the data came from, for the start-up line and the model card."""
-    truncated: int = 0
-    """Training examples cut to ``--max_seq_length``."""
 
 
 @dataclass

@@ -9,8 +9,8 @@ dataset, offline, and saves a plain Hugging Face model folder to outputs/classif
     torchrun --nproc_per_node=2 recipes/classify.py                                         # raw torch.distributed
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 recipes/classify.py
 
-Flags follow transformers' run_glue_no_trainer.py (`--model_name_or_path`, `--train_file`,
-`--per_device_train_batch_size`, ...); `--config FILE.yaml` sets any of them and the command line wins.
+Flags follow transformers' run_glue_no_trainer.py (`--model_name_or_path`, `--per_device_train_batch_size`,
+...); `--config FILE.yaml` sets any of them and the command line wins.
 """
 
 import json
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from finetune.batching import TokenizedDataset
 from finetune.checkpoint import save_model
 from finetune.classification import encode_labels, tokenize_texts
 from finetune.config import arg, parse_config
@@ -58,16 +57,14 @@ class ClassifyTask:
         self.label_names, train, validation = encode_labels(raw["train"], raw["validation"], args.label_column)
         model_path = cfg.model_name_or_path or default_model_path()
         tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
-        train_set = TokenizedDataset(tokenize_texts(train, tokenizer, text_columns, cfg.max_seq_length, "train"))
-        eval_set = TokenizedDataset(tokenize_texts(validation, tokenizer, text_columns, cfg.max_seq_length,
-                                                   "validation"))
+        train_set = tokenize_texts(train, tokenizer, text_columns, cfg.max_seq_length, "train")
+        eval_set = tokenize_texts(validation, tokenizer, text_columns, cfg.max_seq_length, "validation")
         model = from_pretrained(
             transformers.AutoModelForSequenceClassification, model_path, num_labels=len(self.label_names),
             id2label=dict(enumerate(self.label_names)), label2id={n: i for i, n in enumerate(self.label_names)},
             trust_remote_code=cfg.trust_remote_code)
         return TaskSetup(train_set, eval_set, transformers.DataCollatorWithPadding(tokenizer), model, tokenizer,
-                         summary=f"{len(self.label_names)} labels", data_source=source,
-                         truncated=sum(n >= cfg.max_seq_length for n in train_set.lengths))
+                         summary=f"{len(self.label_names)} labels", data_source=source)
 
     def loss(self, model, batch):
         labels = batch.pop("labels")
@@ -88,8 +85,7 @@ class ClassifyTask:
             for prediction in outputs[0].tolist():
                 f.write(json.dumps({"prediction": self.label_names[prediction]}) + "\n")
 
-    def save(self, model, state_dict, tokenizer, output_dir):
-        save_model(model, state_dict, tokenizer, output_dir)
+    save = staticmethod(save_model)  # the whole model, with its tokenizer
 
 
 def main(argv=None):

@@ -97,7 +97,7 @@ def kill_rank_after(job: subprocess.Popen, checkpoint, rank: int = 1) -> None:
 def test_a_killed_worker_is_restarted_and_the_job_finishes_as_if_never_killed(
     parity_runs, small_data, no_dropout_model, tmp_path, launcher
 ):
-    from conftest import accelerate_cmd, parity_flags
+    from conftest import accelerate_cmd, assert_weights_match_a_parity_run, parity_flags
 
     out = tmp_path / "out"
     flags = [*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(out)]
@@ -115,7 +115,7 @@ def test_a_killed_worker_is_restarted_and_the_job_finishes_as_if_never_killed(
     assert job.returncode == 0, output[-4000:]
     assert "resumed from" in output and "step_4 at step 4" in output
     assert read_results(out)["global_step"] == 9
-    assert max_weight_diff(parity_runs("torchrun", 2, 4), out) <= 2e-6
+    assert_weights_match_a_parity_run(parity_runs(launcher, 2, 4), out)
 
 
 @pytest.mark.multiprocess

