@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from finetune.batching import TokenizedDataset
 from finetune.errors import UserError
 
-__all__ = ["align_labels", "encode_tags", "entities", "entity_scores", "read_conll"]
+__all__ = ["align_labels", "encode_tags", "entities", "entity_scores", "first_pieces", "read_conll"]
 
 IGNORE = -100
 """The label of sub-tokens that are neither trained nor scored (special tokens, later pieces of a word)."""
@@ -136,6 +136,12 @@ def align_labels(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, ma
         all_word_ids.append(word_ids)
     units = [sum(label != IGNORE for label in labels) for labels in columns["labels"]]
     return TokenizedDataset(columns, loss_units=units), all_word_ids, cut
+
+
+def first_pieces(word_ids: list[int | None]) -> list[int]:
+    """Positions of the first sub-token of each word: where a word's tag is read and scored."""
+    return [position for position, word in enumerate(word_ids)
+            if word is not None and (position == 0 or word_ids[position - 1] != word)]
 
 
 def entities(tags: list[str]) -> set[tuple[str, int, int]]:

@@ -27,7 +27,7 @@ from finetune.default_tagged_tickets import make_tagged_tickets
 from finetune.errors import run_main
 from finetune.metrics import load_metric
 from finetune.models import default_model_path, from_pretrained
-from finetune.tagging import IGNORE, align_labels, encode_tags, read_conll
+from finetune.tagging import IGNORE, align_labels, encode_tags, first_pieces, read_conll
 from finetune.task import ModelCardInfo, TaskSetup
 
 
@@ -35,7 +35,9 @@ from finetune.task import ModelCardInfo, TaskSetup
 class TokenClassifyArguments:
     text_column: str = arg("tokens", "Column holding each sentence's words (a list of strings).")
     label_column: str = arg("ner_tags", "Column holding each sentence's tags (BIO names, or ClassLabel ids).")
-    label_all_tokens: bool = arg(False, "Train and score every sub-token of a word, not only its first.")
+    label_all_tokens: bool = arg(True, "Train every sub-token of a word (later pieces as I-X), so that the "
+                                       "pipeline's 'simple' grouping keeps words whole; --no_label_all_tokens "
+                                       "trains first pieces only, as run_ner.py. Scores are per word either way.")
 
 
 class TokenClassifyTask:
@@ -84,22 +86,22 @@ class TokenClassifyTask:
 
     def metrics(self, outputs):
         predictions, labels, losses, units = outputs
-        scored = [(labels[i] != IGNORE) for i in range(len(labels))]
-        references = [[self.tags[t] for t in labels[i][keep].tolist()] for i, keep in enumerate(scored)]
-        predicted = [[self.tags[t] for t in predictions[i][keep].tolist()] for i, keep in enumerate(scored)]
+        firsts = [first_pieces(word_ids) for word_ids in self.eval_word_ids]  # one tag per word
+        references = [[self.tags[t] for t in labels[i][keep].tolist()] for i, keep in enumerate(firsts)]
+        predicted = [[self.tags[t] for t in predictions[i][keep].tolist()] for i, keep in enumerate(firsts)]
         scores = load_metric("seqeval").compute(predictions=predicted, references=references)
         return {"precision": scores["overall_precision"], "recall": scores["overall_recall"],
                 "f1": scores["overall_f1"], "accuracy": scores["overall_accuracy"],
-                **{f"{kind}_f1": value["f1"] for kind, value in scores.items() if isinstance(value, dict)},
+                **{f"{kind}_{measure}": value[measure] for kind, value in scores.items() if isinstance(value, dict)
+                   for measure in ("precision", "recall", "f1")},
                 "loss": (losses.sum() / units.sum()).item()}
 
     def write_predictions(self, outputs, output_dir):
         with open(os.path.join(output_dir, "eval_predictions.jsonl"), "w") as f:
             for words, word_ids, row in zip(self.eval_words, self.eval_word_ids, outputs[0].tolist(), strict=True):
                 tags = ["O"] * len(words)  # words cut off by --max_seq_length stay O
-                for position, word in reversed(list(enumerate(word_ids))):  # the first piece of a word wins
-                    if word is not None:
-                        tags[word] = self.tags[row[position]]
+                for position in first_pieces(word_ids):
+                    tags[word_ids[position]] = self.tags[row[position]]
                 f.write(json.dumps({"tokens": words, "predicted": tags}) + "\n")
 
     save = staticmethod(save_model)  # the whole model, with its tokenizer

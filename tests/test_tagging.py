@@ -8,7 +8,7 @@ from finetune.default_tagged_tickets import ENTITY_TYPES, TAG_NAMES, make_tagged
 from finetune.errors import UserError
 from finetune.metrics import load_metric
 from finetune.models import default_model_path
-from finetune.tagging import IGNORE, align_labels, encode_tags, entity_scores, read_conll
+from finetune.tagging import IGNORE, align_labels, encode_tags, entity_scores, first_pieces, read_conll
 
 
 def random_tags(rng, length):
@@ -107,6 +107,7 @@ def test_labels_go_to_the_first_piece_of_each_word_unless_all(label_all_tokens):
     later = {labels[i] for i in pieces_of_email[1:]}
     assert later == ({names.index("I-EMAIL")} if label_all_tokens else {IGNORE})
     assert dataset.loss_units[0] == sum(label != IGNORE for label in labels)
+    assert [word_ids[0][p] for p in first_pieces(word_ids[0])] == [0, 1, 2, 3, 4]
     _, _, cut = align_labels(train, tokenizer, 6, label_all_tokens, names)
     assert cut == 1
 

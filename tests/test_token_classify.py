@@ -53,19 +53,20 @@ def read_predictions(folder: Path) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory) -> tuple[Path, str]:
-    """The default run, shortened to one epoch (38 steps)."""
+    """The default run (3 epochs, 114 steps, about a minute)."""
     out = tmp_path_factory.mktemp("token_classify") / "out"
     result = run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", RECIPE,
-                  "--num_train_epochs", "1", "--output_dir", str(out)], timeout=600)
+                  "--output_dir", str(out)], timeout=600)
     return out, result.stdout
 
 
 def test_the_default_run_saves_a_plain_tagging_model_and_its_predictions(default_run):
     out, stdout = default_run
     results = read_results(out)
-    assert RESULT_KEYS <= results.keys() and results["global_step"] == 38
+    assert RESULT_KEYS <= results.keys() and results["global_step"] == 114
     assert "training token_classify on tagged support tickets" in stdout
-    assert results["eval_f1"] > 0.8, "one epoch learns the entities"
+    # Tagging each word with its most frequent training tag scores F1 0.356 on this validation set.
+    assert results["eval_f1"] > 0.9
 
     model, info = AutoModelForTokenClassification.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -81,19 +82,21 @@ def test_the_default_run_saves_a_plain_tagging_model_and_its_predictions(default
     assert scores["overall_f1"] == pytest.approx(results["eval_f1"], abs=1e-12)
 
 
-def test_the_pipeline_groups_the_entities_the_model_predicts(default_run):
+def test_the_pipeline_groups_whole_words_into_the_entities_the_model_predicts(default_run):
+    """Every piece of a word is trained (later pieces as I-X), so "simple" grouping keeps a word whole even where
+    the tokenizer splits it at punctuation ("7,942", "anna@example.com")."""
     out, _ = default_run
     tag = pipeline("token-classification", model=str(out), aggregation_strategy="simple")
     predictions = [p for p in read_predictions(out) if any(t != "O" for t in p["predicted"])][:40]
-    agree = 0
+    differ = []
     for prediction in predictions:
-        text = " ".join(prediction["tokens"])
-        grouped = [(g["entity_group"], g["word"].replace(" ", "")) for g in tag(text)]
         words, tags = prediction["tokens"], prediction["predicted"]
+        grouped = [(g["entity_group"], g["word"].replace(" ", "")) for g in tag(" ".join(words))]
         expected = [(kind, "".join(words[start:end + 1]).lower()) for kind, start, end in
                     sorted(entities(tags), key=lambda e: e[1])]
-        agree += [(kind, word.lower()) for kind, word in grouped] == expected
-    assert agree >= 0.9 * len(predictions), f"{agree} of {len(predictions)} sentences grouped alike"
+        if [(kind, word.lower()) for kind, word in grouped] != expected:
+            differ.append((grouped, expected))
+    assert len(predictions) == 40 and not differ, differ
 
 
 @pytest.mark.multiprocess
