@@ -1,6 +1,7 @@
 """What the recipe is measured against: a hand-written PyTorch loop and transformers' Trainer.
 
-    python bench/baselines.py {loop_random,loop_grouped,trainer_default,trainer_grouped} TRAIN_CSV OUT_DIR
+    python bench/baselines.py KIND TRAIN_CSV OUT_DIR [SEED]
+    (KIND: loop_random, loop_grouped, trainer_default, trainer_grouped or trainer_ner)
 
 All four train the same model on the same CSV for one epoch with the recipe's defaults: per-device
 batch 32, learning rate 1e-4, sequences cut at 128 tokens, each batch padded to its own longest row.
@@ -19,6 +20,7 @@ Run under ``bench/probe.py``'s hooks (installed here), like the recipe.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -29,16 +31,21 @@ import probe  # noqa: E402
 import torch  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
+    DataCollatorForTokenClassification,
     DataCollatorWithPadding,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
     get_linear_schedule_with_warmup,
 )
 
 from finetune.batching import GlobalBatchSampler  # noqa: E402
 from finetune.config import TrainConfig  # noqa: E402
+from finetune.default_tagged_tickets import make_tagged_tickets  # noqa: E402
 from finetune.models import default_model_path  # noqa: E402
+from finetune.tagging import align_labels, encode_tags, entity_scores, first_pieces  # noqa: E402
 
 RECIPE = TrainConfig()  # the recipes' shared defaults, which every configuration uses
 BATCH_SIZE, LEARNING_RATE = RECIPE.per_device_train_batch_size, RECIPE.learning_rate
@@ -46,15 +53,30 @@ MAX_LENGTH, SEED = RECIPE.max_seq_length, RECIPE.seed
 
 
 class CountingCollator:
-    """Pads like ``DataCollatorWithPadding`` and tells the probe what each batch held."""
+    """Pads like ``collator_class`` and tells the probe what each batch held."""
 
-    def __init__(self, tokenizer):
-        self.pad = DataCollatorWithPadding(tokenizer, return_tensors="pt")
+    def __init__(self, tokenizer, collator_class=DataCollatorWithPadding):
+        self.pad = collator_class(tokenizer, return_tensors="pt")
+        self.counting = True
 
     def __call__(self, features):
         batch = self.pad(features)
-        probe.record_batch(batch["attention_mask"], len(features))
+        if self.counting:
+            probe.record_batch(batch["attention_mask"], len(features))
         return batch
+
+
+class EvaluationIsNotTraining(TrainerCallback):
+    """Trainer pads evaluation batches with the training collator: those are not training batches."""
+
+    def __init__(self, collate: CountingCollator):
+        self.collate = collate
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.collate.counting = False  # the epoch's evaluation comes next
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.collate.counting = True
 
 
 def hand_written_loop(model, train, collate, batch_sampler, device, bf16):
@@ -73,8 +95,44 @@ def hand_written_loop(model, train, collate, batch_sampler, device, bf16):
         optimizer.zero_grad()
 
 
-def main(kind: str, train_csv: str, output_dir: str) -> None:
+def trainer_ner(output_dir: str, seed: int) -> None:
+    """Trainer as run_ner.py uses it, on the tagging recipe's embedded default: the same words and tags,
+    sub-token labels aligned alike (later pieces of a word as I-X), batch, learning rate, weight decay and
+    epochs, and an evaluation at the end of each epoch as the recipe makes; Trainer's defaults otherwise.
+    Writes ``all_results.json`` with the entity F1 read per word, as the recipe reads it."""
+    data = make_tagged_tickets()
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    names, train, validation = encode_tags(data["train"], data["validation"], "tokens", "ner_tags")
+    train_set, _, _ = align_labels(train, tokenizer, MAX_LENGTH, True, names)
+    eval_set, eval_word_ids, _ = align_labels(validation, tokenizer, MAX_LENGTH, True, names)
+    model = AutoModelForTokenClassification.from_pretrained(
+        default_model_path(), num_labels=len(names), id2label=dict(enumerate(names)),
+        label2id={n: i for i, n in enumerate(names)})
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=BATCH_SIZE,
+                             per_device_eval_batch_size=64, learning_rate=LEARNING_RATE, num_train_epochs=3,
+                             weight_decay=RECIPE.weight_decay, seed=seed, bf16=torch.cuda.is_available(),
+                             save_strategy="no", report_to="none", eval_strategy="epoch")
+    collate = CountingCollator(tokenizer, DataCollatorForTokenClassification)
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
+                      processing_class=tokenizer, data_collator=collate, callbacks=[EvaluationIsNotTraining(collate)])
+    trainer.train()
+    collate.counting = False
+    logits = trainer.predict(eval_set).predictions
+    predicted, references = [], []
+    for row, word_ids in enumerate(eval_word_ids):
+        firsts = first_pieces(word_ids)
+        predicted.append([names[int(logits[row][p].argmax())] for p in firsts])
+        references.append([names[eval_set[row]["labels"][p]] for p in firsts])
+    scores = entity_scores(references, predicted)
+    with open(os.path.join(output_dir, "all_results.json"), "w") as f:
+        json.dump({"eval_f1": scores["overall_f1"]}, f)
+
+
+def main(kind: str, train_csv: str, output_dir: str, seed: str = str(SEED)) -> None:
     probe.install()
+    if kind == "trainer_ner":
+        trainer_ner(output_dir, int(seed))
+        return
     torch.manual_seed(SEED)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = device.type == "cuda"

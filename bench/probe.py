@@ -97,25 +97,28 @@ def _count_recipe_batches() -> None:
     Training batches are fetched by the sampler's planned index lists, which say how many examples are
     real; evaluation batches are fetched by plain lists.
     """
-    from transformers import DataCollatorWithPadding
+    from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding
 
     from finetune.batching import PlannedBatch, TokenizedDataset
 
     planned_real: list[int | None] = [None]
-    original_fetch, original_call = TokenizedDataset.__getitems__, DataCollatorWithPadding.__call__
+    original_fetch = TokenizedDataset.__getitems__
 
     def fetch_and_note(self, indices):
         planned_real[0] = indices.num_real if isinstance(indices, PlannedBatch) else None
         return original_fetch(self, indices)
 
-    def call_and_count(self, features):
-        batch = original_call(self, features)
-        if planned_real[0] is not None:
-            record_batch(batch["attention_mask"], planned_real[0])
-        return batch
+    def counting(original_call):
+        def call_and_count(self, features):
+            batch = original_call(self, features)
+            if planned_real[0] is not None:
+                record_batch(batch["attention_mask"], planned_real[0])
+            return batch
+        return call_and_count
 
     TokenizedDataset.__getitems__ = fetch_and_note
-    DataCollatorWithPadding.__call__ = call_and_count
+    for collator in (DataCollatorWithPadding, DataCollatorForTokenClassification):
+        collator.__call__ = counting(collator.__call__)
 
 
 if __name__ == "__main__":

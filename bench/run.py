@@ -2,6 +2,7 @@
 
     python bench/run.py                   # about 14 minutes on 2 CPU cores: bench/results/latest.{json,md}
     python bench/run.py --suite hub_push  # about 3.5 minutes: bench/results/hub-push.{json,md}
+    python bench/run.py --suite token_classify  # bench/results/token-classify.{json,md}
 
 Every configuration trains the default MiniLM for one epoch on the same slice of the embedded support
 tickets (mostly short messages with a long tail), with per-device batch 32, learning rate 1e-4 and
@@ -61,6 +62,8 @@ class Config:
     threads: int = 2
     accumulation: int = 1
     recipe_flags: list[str] = field(default_factory=list)
+    recipe: str = "classify"
+    """classify runs on the CSV slice of support tickets; token_classify on its own embedded default."""
 
 
 TRAINING = [
@@ -95,14 +98,29 @@ TRAINING_RATIOS = {
     "ddp_2proc_vs_1proc_accumulation": ("ddp_2proc_accum", "ddp_accum", 0.9),
 }
 HUB_PUSH_RATIOS = {"hub_push_vs_no_push": ("recipe_hub_push", "recipe_checkpoints", 0.97)}
+TOKEN_CLASSIFY = [
+    Config("token_classify_recipe", "token_classify.py, accelerate launch, embedded default (3 epochs)",
+           "accelerate", recipe="token_classify"),
+    Config("trainer_ner", "Trainer the run_ner.py way, same data, model, batch, learning rate and epochs", "python",
+           recipe="token_classify"),
+]
+TOKEN_CLASSIFY_RATIOS = {"token_classify_vs_trainer": ("token_classify_recipe", "trainer_ner", 1.2)}
+# difference: (configuration, configuration, measure, target): the median of the first's measure minus the
+# second's median, at least the target
+TOKEN_CLASSIFY_DIFFERENCES = {"token_classify_f1_minus_trainer_f1": ("token_classify_recipe", "trainer_ner", "f1",
+                                                                     -0.01)}
 # ratio: (configuration, its figure, target)
 TRAINING_FIGURES = {
     "padding_efficiency": ("recipe_accelerate", "padding_efficiency", 0.9),
     "useful_flops_vs_matmul": ("recipe_accelerate", "useful_flops_vs_matmul", 0.5),
 }
-SUITES = {  # name: (configurations, ratios, figures, results file)
-    "training": (TRAINING, TRAINING_RATIOS, TRAINING_FIGURES, "latest"),
-    "hub_push": (HUB_PUSH, HUB_PUSH_RATIOS, {}, "hub-push"),
+SEEDED_SUITES = {"token_classify"}
+"""Suites whose repeats each train with another seed on both sides (42, 43, ...): their F1 is compared, and one
+seed's F1 varies more than the tolerance (0.963 to 0.979 for the tagging recipe's seeds 42, 1 and 2)."""
+SUITES = {  # name: (configurations, ratios, figures, differences, results file)
+    "training": (TRAINING, TRAINING_RATIOS, TRAINING_FIGURES, {}, "latest"),
+    "hub_push": (HUB_PUSH, HUB_PUSH_RATIOS, {}, {}, "hub-push"),
+    "token_classify": (TOKEN_CLASSIFY, TOKEN_CLASSIFY_RATIOS, {}, TOKEN_CLASSIFY_DIFFERENCES, "token-classify"),
 }
 
 
@@ -127,15 +145,22 @@ def write_data(folder: Path, train_examples: int, eval_examples: int) -> tuple[P
     return paths[0], paths[1]
 
 
-def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, gpus: int) -> list[str]:
+def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, gpus: int, seed: int | None
+            ) -> list[str]:
     if config.launcher == "python":
-        return [sys.executable, str(BENCH / "baselines.py"), config.name, str(train_csv), str(output_dir)]
-    recipe_flags = ["--train_file", str(train_csv), "--validation_file", str(eval_csv), "--output_dir",
-                    str(output_dir), "--num_train_epochs", "1", "--gradient_accumulation_steps",
-                    str(config.accumulation), *config.recipe_flags]
+        return [sys.executable, str(BENCH / "baselines.py"), config.name, str(train_csv), str(output_dir),
+                *([str(seed)] if seed is not None else [])]
+    if config.recipe == "classify":
+        recipe_flags = ["--train_file", str(train_csv), "--validation_file", str(eval_csv), "--num_train_epochs", "1"]
+    else:
+        recipe_flags = []  # the recipe's embedded default, as a user runs it
+    if seed is not None:
+        recipe_flags += ["--seed", str(seed)]
+    recipe_flags += ["--output_dir", str(output_dir), "--gradient_accumulation_steps", str(config.accumulation),
+                     *config.recipe_flags]
     if gpus:
         recipe_flags += ["--mixed_precision", "bf16"]
-    script = [str(BENCH / "probe.py"), str(REPO / "recipes" / "classify.py"), *recipe_flags]
+    script = [str(BENCH / "probe.py"), str(REPO / "recipes" / f"{config.recipe}.py"), *recipe_flags]
     if config.launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(config.processes),
                 "--master_port", str(free_port()), *script]
@@ -149,7 +174,8 @@ def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, g
     return [*launch, *script]
 
 
-def run_config(config: Config, data: tuple[Path, Path], scratch: Path, env: dict, gpus: int) -> dict:
+def run_config(config: Config, data: tuple[Path, Path], scratch: Path, env: dict, gpus: int, seed: int | None
+               ) -> dict:
     report_dir = scratch / f"{config.name}-reports"
     output_dir = scratch / f"{config.name}-out"
     for folder in (report_dir, output_dir):
@@ -157,14 +183,16 @@ def run_config(config: Config, data: tuple[Path, Path], scratch: Path, env: dict
     report_dir.mkdir()
     launched_at = time.time()
     result = subprocess.run(
-        command(config, *data, output_dir, gpus), cwd=REPO, capture_output=True, text=True,
+        command(config, *data, output_dir, gpus, seed), cwd=REPO, capture_output=True, text=True,
         env={**env, "OMP_NUM_THREADS": str(config.threads), "MKL_NUM_THREADS": str(config.threads),
              "BENCH_REPORT_DIR": str(report_dir), "BENCH_LAUNCHED_AT": repr(launched_at)},
     )
     if result.returncode != 0:
         sys.exit(f"error: {config.name} exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    results = output_dir / "all_results.json"  # the recipes' and the NER baseline's own results
+    f1 = json.loads(results.read_text()).get("eval_f1") if results.is_file() else None
     return {"reports": [json.loads(p.read_text()) for p in sorted(report_dir.glob("rank*.json"))],
-            "wall_seconds": time.time() - launched_at}
+            "wall_seconds": time.time() - launched_at, "f1": f1}
 
 
 def summarize(config: Config, run: dict, warmup_steps: int, flop_weights: dict, matmul_rate: float) -> dict:
@@ -198,6 +226,7 @@ def summarize(config: Config, run: dict, warmup_steps: int, flop_weights: dict, 
         "optimizer_steps": len(steps),
         "threads_per_process": main["threads"],
         "wall_seconds": run["wall_seconds"],
+        "f1": run["f1"],
     }
 
 
@@ -253,14 +282,15 @@ def main() -> None:
     parser.add_argument("--warmup_steps", type=int, default=2, help="Optimizer steps left out of throughput.")
     parser.add_argument("--suite", choices=SUITES, default="training",
                         help="training: the comparisons above; hub_push: checkpoints pushed to a loopback Hub "
-                             "against the same checkpoints not pushed (about 3.5 minutes).")
+                             "against the same checkpoints not pushed (about 3.5 minutes); token_classify: the "
+                             "tagging recipe against Trainer run the run_ner.py way, speed and F1.")
     args = parser.parse_args()
     if args.repeats < 1 or args.warmup_steps < 1:
         sys.exit("error: --repeats and --warmup_steps must be at least 1")
 
     gpus = torch.cuda.device_count()
     device = torch.device("cuda" if gpus else "cpu")
-    configs, ratios, figures, results_name = SUITES[args.suite]
+    configs, ratios, figures, differences, results_name = SUITES[args.suite]
     skipped = [c.name for c in configs if gpus == 1 and c.processes > 1]
     configs = [c for c in configs if c.name not in skipped]
     if gpus:
@@ -288,8 +318,9 @@ def main() -> None:
             for repeat in range(args.repeats):
                 matmul.append(matmul_rate(device))
                 order = configs[repeat % len(configs):] + configs[:repeat % len(configs)]
+                seed = 42 + repeat if args.suite in SEEDED_SUITES else None
                 for config in order:
-                    run = run_config(config, data, scratch, env, gpus)
+                    run = run_config(config, data, scratch, env, gpus, seed)
                     runs[config.name].append(summarize(config, run, args.warmup_steps, weights, matmul[-1]))
                     latest = runs[config.name][-1]
                     print(f"[{repeat + 1}/{args.repeats}] {config.name:<20} {latest['samples_per_second']:7.1f} "
@@ -299,7 +330,7 @@ def main() -> None:
             if hub is not None:
                 hub.terminate()
 
-    results = collect(configs, ratios, figures, runs, matmul, weights, args, device, skipped)
+    results = collect(configs, ratios, figures, differences, runs, matmul, weights, args, device, skipped)
     out = BENCH / "results"
     out.mkdir(exist_ok=True)
     results_name += "-cuda" if gpus else ""
@@ -308,9 +339,16 @@ def main() -> None:
     print(markdown(results))
 
 
-def collect(configs, ratio_specs, figure_specs, runs, matmul, weights, args, device, skipped) -> dict:
+def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, weights, args, device,
+            skipped) -> dict:
     repeats = args.repeats
     ratios, checks = {}, {}
+    for name, (first, second, measure, target) in difference_specs.items():
+        # Medians over the seeds of each side, then their difference: the seeds pair no two runs.
+        median_gap = (statistics.median(r[measure] for r in runs[first])
+                      - statistics.median(r[measure] for r in runs[second]))
+        ratios[name] = {"median": median_gap, "min": median_gap, "max": median_gap}
+        checks[name] = target
     for name, (numerator, denominator, target) in ratio_specs.items():
         if numerator in runs and denominator in runs:
             ratios[name] = spread([runs[numerator][i]["samples_per_second"] / runs[denominator][i]["samples_per_second"]
@@ -334,6 +372,7 @@ def collect(configs, ratio_specs, figure_specs, runs, matmul, weights, args, dev
             "peak_rss_mib_per_process": [max(f["peak_rss_mib"][rank] for f in figures)
                                          for rank in range(config.processes)],
             "optimizer_steps": figures[0]["optimizer_steps"],
+            "eval_f1": spread([f["f1"] for f in figures]) if figures[0]["f1"] is not None else None,
             "runs": figures,
         }
     return {
@@ -358,10 +397,12 @@ def markdown(results: dict) -> str:
     def cell(value: dict, digits: int = 1) -> str:
         return f"{value['median']:.{digits}f} ({value['min']:.{digits}f}-{value['max']:.{digits}f})"
 
+    data = (f"{results['train_examples']} training examples (one epoch)" if results["suite"] != "token_classify"
+            else "the recipe's embedded default (1,200 sentences, 3 epochs), seeds 42, 43, ... one per repeat")
     lines = [
-        f"Device: {results['device']}, torch {results['torch']}; {results['repeats']} interleaved repeats, "
-        f"{results['train_examples']} training examples (one epoch), first {results['warmup_steps']} steps "
-        f"excluded. Median (min-max). Matmul rate: {cell(results['matmul_gflops_per_second'])} GFLOP/s.",
+        f"Device: {results['device']}, torch {results['torch']}; {results['repeats']} interleaved repeats, {data}, "
+        f"first {results['warmup_steps']} steps excluded. Median (min-max). Matmul rate: "
+        f"{cell(results['matmul_gflops_per_second'])} GFLOP/s.",
         "",
         "| ratio | median (min-max) | target | met |",
         "|---|---|---|---|",
@@ -372,8 +413,8 @@ def markdown(results: dict) -> str:
     lines += [
         "",
         "| configuration | samples/s | samples/s, whole epoch | padding efficiency | useful GFLOP/s | of matmul | "
-        "first step (s) | peak RSS (MiB) | all-reduces |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "first step (s) | peak RSS (MiB) | all-reduces | eval F1 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, c in results["configs"].items():
         lines.append(
@@ -382,10 +423,11 @@ def markdown(results: dict) -> str:
             f"{cell(c['useful_gflops_per_second'])} | {c['useful_flops_vs_matmul']['median']:.0%} | "
             f"{cell(c['seconds_to_first_step'])} | {', '.join(map(str, c['peak_rss_mib_per_process']))} | "
             f"{c['all_reduces_per_optimizer_step']['median']:g} per step, "
-            f"{c['all_reduces_per_micro_step']['median']:g} per micro-step |"
+            f"{c['all_reduces_per_micro_step']['median']:g} per micro-step | "
+            f"{cell(c['eval_f1'], 3) if c['eval_f1'] else '-'} |"
         )
     for name, why in results["skipped"].items():
-        lines.append(f"| {name} | not run: {why} | | | | | | | |")
+        lines.append(f"| {name} | not run: {why} | | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
