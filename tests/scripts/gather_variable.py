@@ -45,3 +45,6 @@ with make_runtime(cfg, tracking=None) as runtime:
         assert index.tolist() == [row[0] for row in rows[-len(index):]]
     if runtime.is_main_process:
         (out / "gathered.json").write_text(json.dumps({"world_size": runtime.world_size, "rows": rows}))
+    # Leave as the training loop does, after a barrier the main process answers last: a rank that exits while
+    # another still finishes a collective with it can make gloo abort that one at exit.
+    runtime.wait_for_save()
