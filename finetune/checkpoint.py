@@ -97,17 +97,29 @@ def write_manifest(folder: Path, progress: Progress) -> None:
 
 
 def verify_checkpoint(folder: Path) -> None:
-    """Check every file the manifest lists against its checksum.
+    """Check that the manifest lists exactly the files in ``folder``, each inside it, and every checksum.
 
     Raises:
-        UserError: no manifest (an incomplete checkpoint), or a file missing or changed, named.
+        UserError: no manifest (an incomplete checkpoint), a listed name outside the folder, a file the
+            manifest does not list, or a file missing or changed, named.
     """
-    manifest_path = Path(folder) / MANIFEST_FILE
+    folder = Path(folder)
+    manifest_path = folder / MANIFEST_FILE
     if not manifest_path.is_file():
         raise UserError(f"{folder} is not a complete checkpoint (no {MANIFEST_FILE}); "
                         "pick a checkpoints/step_N folder or use 'latest'")
-    for name, expected in json.loads(manifest_path.read_text())["files"].items():
-        path = Path(folder) / name
+    listed = json.loads(manifest_path.read_text())["files"]
+    for name in listed:
+        if Path(name).is_absolute() or ".." in Path(name).parts or name in ("", MANIFEST_FILE):
+            raise UserError(f"{manifest_path} names {name!r}, which is not a file inside the checkpoint; the "
+                            "checkpoint was not written by finetune: resume from another one")
+    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MANIFEST_FILE}
+    unlisted = sorted(present - set(listed))
+    if unlisted:
+        raise UserError(f"{folder} holds {unlisted[0]}, which its manifest does not list; the checkpoint was "
+                        "changed after it was written: resume from another one")
+    for name, expected in listed.items():
+        path = folder / name
         if not path.is_file():
             raise UserError(f"checkpoint file {path} is missing; resume from another checkpoint")
         if _sha256_and_sync(path) != expected:
@@ -168,11 +180,14 @@ def prune_checkpoints(output_dir: str, limit: int | None) -> None:
 
 
 def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
-    """Refuse to write over a saved model unless asked to.
+    """Refuse to write over a saved model or another run's checkpoints unless asked to.
+
+    A fresh run (not resuming) with ``overwrite`` removes the other run's checkpoints first, so that pruning
+    never mixes two runs' steps.
 
     Raises:
-        UserError: ``output_dir`` holds a model and neither ``overwrite`` nor ``resuming`` is set, or it
-            is a file.
+        UserError: ``output_dir`` holds a model or complete checkpoints and neither ``overwrite`` nor
+            ``resuming`` is set, or it is a file, or it cannot be written.
     """
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
@@ -185,12 +200,19 @@ def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
     except OSError as err:
         raise UserError(f"--output_dir {output_dir} cannot be written ({existing}: {err.strerror}); "
                         "choose another --output_dir") from None
+    if resuming:
+        return
     holds_model = (path / "config.json").is_file() or any(path.glob("model*.safetensors"))
-    if holds_model and not (overwrite or resuming):
-        raise UserError(
-            f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir to replace it "
-            "or choose another --output_dir"
-        )
+    checkpoints = [folder.name for _, folder in _complete_checkpoints(output_dir)]
+    if holds_model and not overwrite:
+        raise UserError(f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir to replace it "
+                        "or choose another --output_dir")
+    if checkpoints and not overwrite:
+        raise UserError(f"--output_dir {output_dir} already holds another run's checkpoints "
+                        f"({', '.join(checkpoints[-3:])}); pass --resume_from_checkpoint latest to continue that run, "
+                        "--overwrite_output_dir to remove them, or choose another --output_dir")
+    if checkpoints:
+        shutil.rmtree(path / "checkpoints", ignore_errors=True)  # every process may get here: tolerate a race
 
 
 def check_unwrapped(state_dict: dict) -> None:

@@ -19,7 +19,8 @@ def encode_labels(train: datasets.Dataset, validation: datasets.Dataset, column:
     String labels map to ids in sorted order; a ``ClassLabel`` keeps its names.
 
     Raises:
-        UserError: a missing or fractional label, a single class, or validation labels training never has.
+        UserError: a missing, fractional or unlabelled (-1) label, a single class, or validation labels training
+            never has.
     """
     feature = train.features[column]
     if isinstance(feature, datasets.ClassLabel):
@@ -31,6 +32,11 @@ def encode_labels(train: datasets.Dataset, validation: datasets.Dataset, column:
     if len(names) < 2:
         raise UserError(f"training labels have a single class ({names[0]!r}); classification needs at least two")
     if encode is None:
+        for name, split in (("train", train), ("validation", validation)):
+            unlabelled = next((row for row, value in enumerate(split[column], start=1) if value < 0), None)
+            if unlabelled:
+                raise UserError(f"{name} data row {unlabelled} is unlabelled (label -1 in column {column!r}); use a "
+                                "split with labels (a Hub dataset's test split often has none), or drop such rows")
         eval_feature = validation.features[column]
         if not isinstance(eval_feature, datasets.ClassLabel) or list(eval_feature.names) != names:
             raise UserError("validation labels are not the same classes as training labels; use one label set")

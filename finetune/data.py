@@ -4,6 +4,7 @@ user can act on, and checks of the rows every recipe needs.
 
 from __future__ import annotations
 
+import csv
 import os
 from collections.abc import Callable
 
@@ -70,7 +71,8 @@ def _load_file(path: str, flag: str, readers: dict[str, Callable[[str], datasets
     if extension not in FILE_BUILDERS:
         known = [*FILE_BUILDERS, *readers]
         raise UserError(f"{flag} {path}: unsupported file type {extension or '(none)'}; use one of {', '.join(known)}")
-    options = {"delimiter": "\t"} if extension == ".tsv" else {}
+    # In a TSV a quote is text: a text that starts with one must not swallow the rows after it.
+    options = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if extension == ".tsv" else {}
     try:
         return datasets.load_dataset(FILE_BUILDERS[extension], data_files=path, split="train", **options)
     except Exception as err:  # the builders raise many types (ArrowInvalid, DatasetGenerationError, ...)

@@ -50,10 +50,10 @@ class HubPusher:
         self._pushes = 0
         if not self.enabled:
             return
-        self._token = token or get_token()
-        if not self._token:
+        self.token = token or get_token()
+        if not self.token:
             raise UserError("--push_to_hub needs a token: pass --hub_token, set HF_TOKEN or run `hf auth login`")
-        self.api = HfApi(token=self._token)
+        self.api = HfApi(token=self.token)
         self.repo_id = repo_id or Path(output_dir).resolve().name
         try:
             if "/" not in self.repo_id:
@@ -63,14 +63,14 @@ class HubPusher:
                 self.api.create_branch(self.repo_id, branch=self.revision, exist_ok=True)
         except (HfHubHTTPError, OSError) as err:
             raise UserError(
-                f"cannot create the Hub repository {self.repo_id}: {describe(err, self._token)}; check the token "
+                f"cannot create the Hub repository {self.repo_id}: {describe(err, self.token)}; check the token "
                 "(--hub_token or HF_TOKEN) and that it may write to that namespace"
             ) from None
         # The token reaches the uploader in its environment, never on a command line others can read.
         self._uploader = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("hub_uploader.py")), self.repo_id,
              *([self.revision] if self.revision else [])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_TOKEN": self._token},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_TOKEN": self.token},
         )
         self._reader = threading.Thread(target=self._read_outcomes, name="hub-push-outcomes", daemon=True)
         self._reader.start()
@@ -157,10 +157,12 @@ def _files(folder: Path, prefix: str, allow: list[str] | None = None,
 
 
 def model_card(*, base_model: str | None, task: ModelCardInfo, recipe: str, repo_id: str, title: str,
-               data_source: str, results: dict, hyper_parameters: dict, command: list[str]) -> ModelCard:
+               data_source: str, results: dict, hyper_parameters: dict, command: list[str],
+               token: str | None) -> ModelCard:
     """A model card with the base model, data, metrics, hyper-parameters, launch command and usage.
 
-    ``base_model`` is a Hub id, or None for a local folder (which is no Hub id).
+    ``base_model`` is a Hub id, or None for a local folder (which is no Hub id). ``token``'s value never
+    appears in the card, wherever it stood on the command line.
     """
     data = ModelCardData(base_model=base_model, library_name=task.library_name, pipeline_tag=task.pipeline_tag,
                          tags=["finetune", task.pipeline_tag])
@@ -191,7 +193,7 @@ of the finetune package ({results.get('runtime')} runtime, {results.get('world_s
 ## Launch command
 
 ```bash
-{' '.join(redact_token(command))}
+{' '.join(redact_token(command, token))}
 ```
 
 ## How to load
@@ -203,18 +205,10 @@ of the finetune package ({results.get('runtime')} runtime, {results.get('world_s
     return ModelCard(content)
 
 
-def redact_token(argv: list[str]) -> list[str]:
-    """``argv`` with the value of ``--hub_token`` replaced."""
-    redacted, hide_next = [], False
-    for arg in argv:
-        if hide_next:
-            redacted.append("***")
-        elif arg.startswith("--hub_token="):
-            redacted.append("--hub_token=***")
-        else:
-            redacted.append(arg)
-        hide_next = arg in ("--hub_token", "--hub-token")
-    return redacted
+def redact_token(argv: list[str], token: str | None) -> list[str]:
+    """``argv`` with every occurrence of ``token``'s value replaced, however the flag was spelled
+    (``--hub_token X``, ``--hub-token=X``, an abbreviation such as ``--hub_tok X``)."""
+    return [arg.replace(token, "***") for arg in argv] if token else list(argv)
 
 
 def download_last_checkpoint(spec: str, revision: str | None, token: str | None) -> Path:

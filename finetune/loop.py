@@ -262,7 +262,7 @@ def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, setup, hub: Hub
         base_model = None if local_model else cfg.model_name_or_path or task.card.default_base_model
         card = model_card(base_model=base_model, task=task.card,
                           recipe=task.name, repo_id=hub.repo_id, title=Path(cfg.output_dir).name,
-                          data_source=setup.data_source, results=results, command=sys.argv,
+                          data_source=setup.data_source, results=results, command=sys.argv, token=hub.token,
                           hyper_parameters={name: getattr(cfg, name) for name in CARD_HYPER_PARAMETERS})
         card.save(os.path.join(cfg.output_dir, "README.md"))
     hub.push_final(cfg.output_dir, results["global_step"])

@@ -110,3 +110,32 @@ def test_a_damaged_file_is_refused_by_name_and_latest_falls_back(tmp_path, capsy
     assert resolve_resume_checkpoint("latest", str(tmp_path)) == older
     warning = capsys.readouterr().err
     assert "warning: skipping" in warning and "step_8/optimizer.bin" in warning
+
+
+@pytest.mark.parametrize("name", ["../../x", "/etc/passwd", "sub/../../x"])
+def test_a_manifest_naming_a_file_outside_its_folder_is_refused(tmp_path, name):
+    import json
+
+    folder = make_checkpoint(tmp_path, 4)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name] = "0" * 64
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="is not a file inside the checkpoint"):
+        verify_checkpoint(folder)
+
+
+def test_a_file_the_manifest_does_not_list_is_refused(tmp_path):
+    folder = make_checkpoint(tmp_path, 4)
+    (folder / "extra.bin").write_bytes(b"slipped in")
+    with pytest.raises(UserError, match="holds extra.bin, which its manifest does not list"):
+        verify_checkpoint(folder)
+
+
+def test_a_fresh_run_into_another_runs_checkpoints_is_refused_unless_overwritten(tmp_path):
+    make_checkpoint(tmp_path, 4)
+    with pytest.raises(UserError, match=r"another run's checkpoints \(step_4\)"):
+        check_output_dir(str(tmp_path), overwrite=False, resuming=False)
+    check_output_dir(str(tmp_path), overwrite=False, resuming=True)
+    assert (tmp_path / "checkpoints" / "step_4").is_dir(), "resuming keeps them"
+    check_output_dir(str(tmp_path), overwrite=True, resuming=False)
+    assert not (tmp_path / "checkpoints").exists(), "--overwrite_output_dir removes them"

@@ -40,3 +40,25 @@ def test_a_single_class_is_refused(tmp_path):
     (tmp_path / "t.csv").write_text("text,label\na,x\nb,x\n")
     with pytest.raises(UserError, match="single class"):
         load(tmp_path / "t.csv", tmp_path / "t.csv")
+
+
+def test_a_tsv_text_that_starts_with_a_quote_stays_one_row(tmp_path):
+    rows = ['"Quoted" praise for the app\tpos', "the refund never came\tneg", '"half-open quote\tneg', "fine\tpos"]
+    for split in ("train", "validation"):
+        (tmp_path / f"{split}.tsv").write_text("text\tlabel\n" + "\n".join(rows) + "\n")
+    raw, _ = load_splits(str(tmp_path / "train.tsv"), str(tmp_path / "validation.tsv"), None, None, False,
+                         make_support_tickets, "default")
+    assert list(raw["train"]["text"]) == ['"Quoted" praise for the app', "the refund never came",
+                                          '"half-open quote', "fine"]
+
+
+def test_unlabelled_rows_of_a_class_label_column_are_refused(tmp_path):
+    import datasets
+
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["a", "b"])})
+    datasets.Dataset.from_dict({"text": ["x", "y"], "label": [0, 1]}, features=features).to_parquet(
+        tmp_path / "train.parquet")
+    datasets.Dataset.from_dict({"text": ["x", "y"], "label": [1, -1]}, features=features).to_parquet(
+        tmp_path / "validation.parquet")
+    with pytest.raises(UserError, match=r"validation data row 2 is unlabelled \(label -1"):
+        load(tmp_path / "train.parquet", tmp_path / "validation.parquet")

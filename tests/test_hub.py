@@ -198,3 +198,16 @@ def test_the_uploader_process_commits_in_order_at_low_priority_and_ends_with_its
     assert [first["commit_id"], second["commit_id"]] == [c["sha"] for c in commits][-2:]
     assert hub.files("alice/uploads")["b.txt"] == b"b.txt"
     assert not stage.exists(), "a pushed staging copy is removed"
+
+
+@pytest.mark.parametrize("spelling", [["--hub_token", TOKEN], [f"--hub_token={TOKEN}"], [f"--hub-token={TOKEN}"],
+                                      ["--hub-token", TOKEN], ["--hub_tok", TOKEN], [f"--hub_tok={TOKEN}"]])
+def test_the_model_card_never_shows_the_token_however_the_flag_was_written(spelling):
+    from finetune.hub import model_card
+    from finetune.task import ModelCardInfo
+
+    card = model_card(base_model=None, task=ModelCardInfo("text-classification", "text classification", "use it",
+                                                          "base/model"),
+                      recipe="classify", repo_id="alice/x", title="x", data_source="data", results={},
+                      hyper_parameters={}, command=["recipes/classify.py", *spelling, "--seed", "1"], token=TOKEN)
+    assert TOKEN not in str(card) and "***" in str(card)
