@@ -25,8 +25,8 @@ from finetune.task import ModelCardInfo
 
 __all__ = ["HubPusher", "download_last_checkpoint", "model_card"]
 
-IGNORE_PATTERNS = ["checkpoints/*", "runs/*", ".hub_staging/*", "*.log", "*.tmp", "__pycache__/*", ".cache/*"]
-"""Kept out of every push: local checkpoints, tracker logs, caches."""
+IGNORE_PATTERNS = ["checkpoints/*", "runs/*", "*.log", "*.tmp", "__pycache__/*"]
+"""Kept out of the final push besides hidden files: local checkpoints, tracker logs, caches."""
 MODEL_FILES = ["config.json", "model.safetensors", "tokenizer*", "vocab*", "special_tokens_map.json", "merges.txt"]
 """What a checkpoint contributes to the repository's top level under ``every_save``: a loadable model."""
 LAST_CHECKPOINT = "last-checkpoint"
@@ -144,10 +144,13 @@ def _link_or_copy(source: str, destination: str) -> None:
 
 def _files(folder: Path, prefix: str, allow: list[str] | None = None,
            ignore: list[str] | None = None) -> list[tuple[str, str]]:
-    """(path in the repository, local path) of the files in ``folder`` to push."""
+    """(path in the repository, local path) of the files in ``folder`` to push; hidden files and folders
+    (``.git/``, ``.env``, ...) never are."""
     files = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         relative = path.relative_to(folder).as_posix()
+        if any(part.startswith(".") for part in path.relative_to(folder).parts):
+            continue
         if allow is not None and not any(fnmatch.fnmatch(relative, pattern) for pattern in allow):
             continue
         if ignore is not None and any(fnmatch.fnmatch(relative, pattern) for pattern in ignore):

@@ -25,6 +25,7 @@ from finetune.checkpoint import (
     Progress,
     check_output_dir,
     check_unwrapped,
+    find_latest_checkpoint,
     read_progress,
     resolve_resume_checkpoint,
 )
@@ -56,8 +57,10 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
     # -- where the run starts: a fresh output folder, or a checkpoint to continue from
     env = LaunchEnvironment.read()
     resume_spec = cfg.resume_from_checkpoint
-    if resume_spec is None and env.restart_count > 0:
-        resume_spec = "latest"  # the launcher restarted the job after a failure: continue, don't start over
+    if env.restart_count > 0 and (latest := find_latest_checkpoint(cfg.output_dir)):
+        # The launcher restarted the job after a failure: continue from the newest checkpoint it wrote, not from
+        # the start or from an older --resume_from_checkpoint again.
+        resume_spec = str(latest)
     if resume_spec and resume_spec.startswith("hub:"):
         resume_spec = str(download_last_checkpoint(resume_spec, cfg.hub_revision, cfg.hub_token))
     resume_from = resolve_resume_checkpoint(resume_spec, cfg.output_dir)

@@ -180,3 +180,26 @@ def test_a_checkpoint_file_that_would_run_code_is_refused(small_data, tmp_path):
     assert not marker.exists(), "loading ran code from the checkpoint"
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "loading it could run code" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.multiprocess
+def test_a_restart_after_an_explicit_resume_continues_from_the_newest_checkpoint(small_data, tmp_path):
+    flags = [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "4", "--num_train_epochs", "2",
+             "--checkpointing_steps", "2"]
+    first = tmp_path / "first"
+    run(torchrun_cmd(*flags, "--max_train_steps", "2", "--output_dir", str(first)))
+    start = first / "checkpoints" / "step_2"
+    uninterrupted = tmp_path / "uninterrupted"
+    run(torchrun_cmd(*flags, "--output_dir", str(uninterrupted), "--resume_from_checkpoint", str(start)))
+
+    out = tmp_path / "out"
+    command = torchrun_cmd(*flags, "--output_dir", str(out), "--resume_from_checkpoint", str(start))
+    command.insert(command.index("--nproc_per_node"), "--max-restarts=1")
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kill_rank_after(job, out / "checkpoints" / "step_6" / "manifest.json")
+    output, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, output[-4000:]
+    resumes = [line for line in output.splitlines() if "resumed from" in line]
+    assert len(resumes) == 2 and "step_2 at step 2" in resumes[0], resumes
+    assert "step_6 at step 6" in resumes[1] or "step_8 at step 8" in resumes[1], resumes
+    assert max_weight_diff(uninterrupted, out) == 0.0

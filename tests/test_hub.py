@@ -211,3 +211,14 @@ def test_the_model_card_never_shows_the_token_however_the_flag_was_written(spell
                       recipe="classify", repo_id="alice/x", title="x", data_source="data", results={},
                       hyper_parameters={}, command=["recipes/classify.py", *spelling, "--seed", "1"], token=TOKEN)
     assert TOKEN not in str(card) and "***" in str(card)
+
+
+def test_hidden_files_and_folders_are_never_pushed(tmp_path):
+    from finetune.hub import IGNORE_PATTERNS, _files
+
+    for name in ("model.safetensors", "config.json", ".env", ".git/config", ".hub_staging/step_2/model.safetensors",
+                 "sub/.secret", "checkpoints/step_2/model.safetensors", "runs/events"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    assert [repo_path for repo_path, _ in _files(tmp_path, "", ignore=IGNORE_PATTERNS)] == ["config.json",
+                                                                                           "model.safetensors"]
