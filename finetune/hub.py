@@ -87,11 +87,12 @@ class HubPusher:
         stage = Path(folder).parent.parent / ".hub_staging" / f"step_{step}"
         shutil.rmtree(stage, ignore_errors=True)  # left by an earlier run that failed to push this step
         shutil.copytree(folder, stage, copy_function=_link_or_copy)
+        checkpoint_files = [path.relative_to(stage).as_posix() for path in stage.rglob("*") if path.is_file()]
         model_config.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
         files = _files(stage, "", allow=MODEL_FILES)
-        if self.strategy == "checkpoint":
-            files += _files(stage, LAST_CHECKPOINT)
+        if self.strategy == "checkpoint":  # the checkpoint as its manifest lists it, without the loading files
+            files += _files(stage, LAST_CHECKPOINT, allow=checkpoint_files)
         self._submit(files, f"Training in progress, step {step}", stage)
 
     def push_final(self, output_dir: str, step: int) -> None:
