@@ -31,6 +31,7 @@ __all__ = [
     "all_gather_padded",
     "all_reduce_max",
     "all_reduce_sum",
+    "pad_second_dim",
     "destroy_distributed",
     "init_distributed",
     "load_state_dict_unwrapped",
@@ -115,11 +116,16 @@ def all_gather_padded(tensor: torch.Tensor, pad_index: int = -100) -> list[torch
     tensor = tensor.contiguous()
     if tensor.dim() > 1:
         longest = all_reduce_max(torch.tensor(tensor.shape[1], device=tensor.device))
-        padding = [0, 0] * (tensor.dim() - 2) + [0, int(longest) - tensor.shape[1]]
-        tensor = torch.nn.functional.pad(tensor, padding, value=pad_index)
+        tensor = pad_second_dim(tensor, int(longest), pad_index)
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor)
     return parts
+
+
+def pad_second_dim(tensor: torch.Tensor, length: int, pad_index: int) -> torch.Tensor:
+    """``tensor`` with its second dimension padded at the end with ``pad_index`` to ``length``."""
+    return torch.nn.functional.pad(tensor, [0, 0] * (tensor.dim() - 2) + [0, length - tensor.shape[1]],
+                                   value=pad_index)
 
 
 def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from finetune.checkpoint import (
     resolve_resume_checkpoint,
 )
 from finetune.config import TrainConfig
+from finetune.ddp import pad_second_dim
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 from finetune.hub import HubPusher, download_last_checkpoint, model_card
@@ -241,8 +242,7 @@ def _concat_padded(tensors: list[torch.Tensor], pad_index: int = -100) -> torch.
     """Concatenate along the batch dimension, padding a second dimension with ``pad_index`` to the longest."""
     if tensors[0].dim() > 1:
         longest = max(t.shape[1] for t in tensors)
-        tensors = [torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [0, longest - t.shape[1]], value=pad_index)
-                   for t in tensors]
+        tensors = [pad_second_dim(t, longest, pad_index) for t in tensors]
     return torch.cat(tensors)
 
 

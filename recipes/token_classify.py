@@ -65,6 +65,7 @@ class TokenClassifyTask:
         train_set, _, _ = align_labels(train, tokenizer, cfg.max_seq_length, args.label_all_tokens, self.tags)
         eval_set, self.eval_word_ids, eval_cut = align_labels(validation, tokenizer, cfg.max_seq_length,
                                                               args.label_all_tokens, self.tags)
+        self.eval_firsts = [first_pieces(word_ids) for word_ids in self.eval_word_ids]  # where each word is read
         model = from_pretrained(
             transformers.AutoModelForTokenClassification, model_path, num_labels=len(self.tags),
             id2label=dict(enumerate(self.tags)), label2id={t: i for i, t in enumerate(self.tags)},
@@ -86,9 +87,8 @@ class TokenClassifyTask:
 
     def metrics(self, outputs):
         predictions, labels, losses, units = outputs
-        firsts = [first_pieces(word_ids) for word_ids in self.eval_word_ids]  # one tag per word
-        references = [[self.tags[t] for t in labels[i][keep].tolist()] for i, keep in enumerate(firsts)]
-        predicted = [[self.tags[t] for t in predictions[i][keep].tolist()] for i, keep in enumerate(firsts)]
+        references = [[self.tags[t] for t in labels[i][keep].tolist()] for i, keep in enumerate(self.eval_firsts)]
+        predicted = [[self.tags[t] for t in predictions[i][keep].tolist()] for i, keep in enumerate(self.eval_firsts)]
         scores = load_metric("seqeval").compute(predictions=predicted, references=references)
         return {"precision": scores["overall_precision"], "recall": scores["overall_recall"],
                 "f1": scores["overall_f1"], "accuracy": scores["overall_accuracy"],
@@ -98,9 +98,10 @@ class TokenClassifyTask:
 
     def write_predictions(self, outputs, output_dir):
         with open(os.path.join(output_dir, "eval_predictions.jsonl"), "w") as f:
-            for words, word_ids, row in zip(self.eval_words, self.eval_word_ids, outputs[0].tolist(), strict=True):
+            for words, word_ids, firsts, row in zip(self.eval_words, self.eval_word_ids, self.eval_firsts,
+                                                    outputs[0].tolist(), strict=True):
                 tags = ["O"] * len(words)  # words cut off by --max_seq_length stay O
-                for position in first_pieces(word_ids):
+                for position in firsts:
                     tags[word_ids[position]] = self.tags[row[position]]
                 f.write(json.dumps({"tokens": words, "predicted": tags}) + "\n")
 
