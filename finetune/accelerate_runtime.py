@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.utils import ProjectConfiguration
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from finetune.batching import GlobalBatchSampler
 from finetune.ddp import init_distributed
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
-from finetune.runtime import Runtime, TrackerSettings, own_generator
+from finetune.runtime import Runtime, TrackerSettings, load_trainable_state, own_generator, trainable_state_dict
 
 __all__ = ["AccelerateRuntime"]
 
@@ -55,6 +57,18 @@ class AccelerateRuntime(Runtime):
         self.device = self.accelerator.device
         if tracking:
             self.accelerator.init_trackers(tracking.project, config=tracking.config)
+        self.accelerator.register_save_state_pre_hook(self._save_trainable_only)
+        self.accelerator.register_load_state_pre_hook(self._load_trainable_only)
+
+    def _save_trainable_only(self, models, weights, output_dir):
+        # Checkpoints hold only the weights that train, under the unwrapped names (as the raw-DDP runtime).
+        weights[:] = [trainable_state_dict(self.accelerator.unwrap_model(model)) for model in models]
+
+    def _load_trainable_only(self, models, input_dir):
+        (model,) = models
+        state = load_file(Path(input_dir) / "model.safetensors", device=str(self.device))
+        load_trainable_state(self.accelerator.unwrap_model(model), state, Path(input_dir))
+        models.clear()  # loaded here; Accelerate would expect the full state dict
 
     def train_loader(self, dataset, sampler, collate_fn):
         # Accelerate shards batches round-robin, which is how the sampler lays out ranks' shares.

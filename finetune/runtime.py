@@ -26,7 +26,7 @@ from finetune.batching import GlobalBatchSampler
 from finetune.checkpoint import Progress, checkpoint_path, prune_checkpoints, write_manifest, write_progress
 from finetune.errors import UserError
 
-__all__ = ["Runtime", "TrackerSettings", "own_generator"]
+__all__ = ["Runtime", "TrackerSettings", "load_trainable_state", "own_generator", "trainable_state_dict"]
 
 
 SAVE_WAIT = timedelta(days=7)
@@ -193,6 +193,32 @@ def _fsync_directory(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of an unwrapped model: the weights that train (all of them in a full fine-tune,
+    the adapter with LoRA). The frozen rest is the base model, loaded again from where it came."""
+    return {name: param.detach().contiguous() for name, param in model.named_parameters() if param.requires_grad}
+
+
+def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Load what ``trainable_state_dict`` saved into an unwrapped model.
+
+    Raises:
+        UserError: the checkpoint holds other weights than those that train here (another model, another
+            LoRA configuration, LoRA against a full fine-tune).
+    """
+    expected = {name: tuple(param.shape) for name, param in model.named_parameters() if param.requires_grad}
+    found = {name: tuple(tensor.shape) for name, tensor in state.items()}
+    if found != expected:
+        differences = [f"{name} missing" for name in expected.keys() - found.keys()]
+        differences += [f"{name} unexpected" for name in found.keys() - expected.keys()]
+        differences += [f"{name} {found[name]} instead of {shape}" for name, shape in expected.items()
+                        if name in found and found[name] != shape]
+        raise UserError(f"{folder} holds other trainable weights than this run ({len(differences)} differ, e.g. "
+                        f"{sorted(differences)[0]}): it was written with another model or LoRA configuration; "
+                        "resume with the flags that wrote it")
+    model.load_state_dict(state, strict=False)
 
 
 def own_generator(seed: int) -> torch.Generator:

@@ -29,6 +29,8 @@ class TaskSetup:
     """For the start-up line, e.g. ``"4 labels"``."""
     data_source: str
     """Where the data came from, for the start-up line and the model card."""
+    eval_collate: Callable[[list[dict]], dict] | None = None
+    """Rows to an evaluation batch, when it differs from ``collate`` (packed training, padded evaluation)."""
 
 
 @dataclass
@@ -60,7 +62,8 @@ class Task(Protocol):
 
     def eval_outputs(self, model, batch: dict) -> tuple:
         """Per-example tensors to gather across processes (batch dimension first; a second dimension may
-        differ between batches and processes, and is padded with -100)."""
+        differ between batches and processes, and is padded with -100). ``model`` is unwrapped, in eval mode,
+        under ``no_grad``."""
 
     def metrics(self, outputs: tuple) -> dict[str, float]:
         """Metrics (names without the ``eval_`` prefix) from every evaluation example's outputs, in order."""

@@ -1,0 +1,123 @@
+"""Conversations for chat fine-tuning: checking rows, rendering them with the model's chat template, and
+marking which tokens train (every assistant turn, nothing else).
+
+Trained tokens are found by position, not by searching the text for a response marker: the conversation
+is rendered turn by turn, and each assistant turn is the span between the rendering of the conversation
+before it (with the generation prompt) and the rendering that includes it. Offsets from the tokenizer map
+those character spans onto tokens.
+"""
+
+from __future__ import annotations
+
+import datasets
+from transformers import PreTrainedTokenizerBase
+
+from finetune.batching import TokenizedDataset
+from finetune.errors import UserError
+
+__all__ = ["IGNORE", "ROLES", "generation_prompts", "read_conversations", "tokenize_conversations"]
+
+IGNORE = -100
+ROLES = ("system", "user", "assistant")
+
+
+def read_conversations(split: datasets.Dataset, name: str) -> list[list[dict]]:
+    """Each row as a list of ``{role, content}`` messages, from a ``messages`` column or from ``prompt`` and
+    ``completion`` columns (each a string or a list of messages).
+
+    Raises:
+        UserError: neither column layout, an unknown role, content that is not text, an empty conversation
+            or one with no assistant turn; the message names the row.
+    """
+    columns = split.column_names
+    if "messages" in columns:
+        rows = list(split["messages"])
+    elif "prompt" in columns and "completion" in columns:
+        rows = [_as_messages(prompt, "user") + _as_messages(completion, "assistant")
+                for prompt, completion in zip(split["prompt"], split["completion"], strict=True)]
+    else:
+        raise UserError(f"{name} data has no 'messages' column and no 'prompt' and 'completion' columns (columns: "
+                        f"{', '.join(columns)}); give conversations as a list of {{role, content}} messages")
+    for number, messages in enumerate(rows, start=1):
+        _check_conversation(messages, f"{name} row {number}")
+    return [[{"role": m["role"], "content": m["content"]} for m in messages] for messages in rows]
+
+
+def _as_messages(value, role: str) -> list[dict]:
+    return [{"role": role, "content": value}] if isinstance(value, str) else list(value or [])
+
+
+def _check_conversation(messages, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: the conversation is empty; give at least a user and an assistant message")
+    for turn, message in enumerate(messages, start=1):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise UserError(f"{where}, message {turn}: not a {{role, content}} object")
+        if message["role"] not in ROLES:
+            raise UserError(f"{where}, message {turn}: unknown role {message['role']!r}; use one of "
+                            f"{', '.join(ROLES)}")
+        if not isinstance(message["content"], str):
+            raise UserError(f"{where}, message {turn}: content is {type(message['content']).__name__}, not text; "
+                            "give each message's content as a string")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"{where}: no assistant message, so nothing to train; add the reply or drop the row")
+
+
+def tokenize_conversations(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase, max_length: int,
+                           name: str) -> tuple[TokenizedDataset, int]:
+    """``(dataset, rows cut)``: input ids cut to ``max_length``, labels on assistant tokens only, and the
+    trained tokens of each row as its loss units.
+
+    Raises:
+        UserError: the template does not render turn by turn, or rows have no trained token left after the cut.
+    """
+    columns = {"input_ids": [], "labels": []}
+    cut, empty = 0, []
+    for number, messages in enumerate(conversations, start=1):
+        text, spans = _render(messages, tokenizer, f"{name} row {number}")
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+        labels = [token if any(start <= begin < end for start, end in spans) else IGNORE
+                  for token, (begin, _) in zip(ids, offsets, strict=True)]
+        labels[0] = IGNORE  # the first token has nothing before it to predict it from
+        if len(ids) > max_length:
+            ids, labels, cut = ids[:max_length], labels[:max_length], cut + 1
+        if all(label == IGNORE for label in labels):
+            empty.append(number)
+        columns["input_ids"].append(ids)
+        columns["labels"].append(labels)
+    if empty:
+        shown = ", ".join(map(str, empty[:10])) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
+        raise UserError(f"{name} row(s) {shown}: no reply token is left within --max_seq_length {max_length}; "
+                        "raise --max_seq_length or shorten those prompts")
+    units = [sum(label != IGNORE for label in labels) for labels in columns["labels"]]
+    return TokenizedDataset(columns, loss_units=units), cut
+
+
+def _render(messages: list[dict], tokenizer, where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text and the character span of every assistant turn in it."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:turn], tokenize=False, add_generation_prompt=True)
+        through = tokenizer.apply_chat_template(messages[:turn + 1], tokenize=False)
+        if not (text.startswith(through) and through.startswith(before)):
+            raise UserError(f"{where}: the chat template renders earlier turns differently once later ones follow, "
+                            "so replies cannot be located by position; give --chat_template a template that "
+                            "renders a conversation turn by turn")
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def generation_prompts(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase
+                       ) -> tuple[list[list[int]], list[str]]:
+    """For each conversation: the token ids that ask for its last reply, and that reply."""
+    prompts, references = [], []
+    for messages in conversations:
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        references.append(messages[last]["content"])
+    return prompts, references

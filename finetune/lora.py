@@ -1,0 +1,44 @@
+"""LoRA adapters through peft: adding them to a model, and saving the adapter (and, if asked, a merged model)."""
+
+from __future__ import annotations
+
+import os
+
+from finetune.checkpoint import save_model
+from finetune.errors import UserError
+
+__all__ = ["add_lora", "save_adapter"]
+
+
+def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str):
+    """``model`` with LoRA adapters on ``target_modules`` (comma-separated module names, or ``all-linear``:
+    every linear layer but the output head); only the adapters train.
+
+    Raises:
+        UserError: the names match no layer of the model.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules if target_modules == "all-linear" else [n.strip() for n in target_modules.split(",")]
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if type(module).__name__ == "Linear"})
+        raise UserError(f"--lora_target_modules {target_modules}: {str(err).splitlines()[0][:160]}; this model's "
+                        f"linear layers are {', '.join(linear)} (or use all-linear)") from None
+
+
+def save_adapter(model, state_dict: dict, tokenizer, output_dir: str, merge: bool) -> None:
+    """Write the adapter (``adapter_config.json``, ``adapter_model.safetensors``) and the tokenizer with its
+    chat template; with ``merge``, also ``output_dir/merged``: the base model with the adapter folded in,
+    which plain transformers loads."""
+    had_card = os.path.exists(os.path.join(output_dir, "README.md"))
+    model.save_pretrained(output_dir, state_dict=state_dict)  # peft keeps only the adapter's weights
+    if not had_card:  # peft writes a placeholder card; the loop writes the real one when pushing
+        os.remove(os.path.join(output_dir, "README.md"))
+    tokenizer.save_pretrained(output_dir)
+    if merge:
+        merged = model.merge_and_unload()
+        save_model(merged, merged.state_dict(), tokenizer, os.path.join(output_dir, "merged"))

@@ -1,0 +1,296 @@
+"""The chat fine-tuning recipe: trained tokens, packing, LoRA saving, exact multi-process training and resume."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, accelerate_cmd, read_results, run, snapshot, torchrun_cmd
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, LlamaConfig
+
+from finetune.chat import IGNORE, read_conversations, tokenize_conversations
+from finetune.default_chat import make_support_conversations, routed_team
+from finetune.errors import run_main
+from finetune.models import default_chat_model_path
+
+RECIPE = str(REPO / "recipes" / "sft.py")
+TWO_TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Refund order 42?"},
+             {"role": "assistant", "content": "Team: billing\nDone."}, {"role": "user", "content": "Thanks!"},
+             {"role": "assistant", "content": "You are welcome."}]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(default_chat_model_path())
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tokenizer) -> Path:
+    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template: fast to train."""
+    folder = tmp_path_factory.mktemp("tiny_chat_model")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def chat_files(tmp_path_factory) -> list[str]:
+    """22 training conversations (two of them with two assistant turns) and 11 for validation, as flags."""
+    folder = tmp_path_factory.mktemp("chat_data")
+    data = make_support_conversations()
+    train = [{"messages": m} for m in data["train"]["messages"][:20]] + [{"messages": TWO_TURNS}] * 2
+    validation = [{"messages": m} for m in data["validation"]["messages"][:11]]
+    return ["--train_file", jsonl(folder / "train.jsonl", train),
+            "--validation_file", jsonl(folder / "validation.jsonl", validation),
+            "--per_device_eval_batch_size", "3", "--logging_steps", "1", "--max_new_tokens", "8"]
+
+
+def trained_text(tokenizer, row: dict) -> list[str]:
+    """The labelled stretches of a tokenized row, decoded."""
+    stretches, current = [], []
+    for label in row["labels"]:
+        if label == IGNORE and current:
+            stretches.append(current)
+            current = []
+        elif label != IGNORE:
+            current.append(label)
+    return [tokenizer.decode(s) for s in stretches + ([current] if current else [])]
+
+
+def test_every_assistant_turn_trains_and_nothing_else(tokenizer):
+    dataset, cut = tokenize_conversations([TWO_TURNS], tokenizer, 1024, "train")
+    assert cut == 0
+    assert trained_text(tokenizer, dataset[0]) == ["Team: billing\nDone.<|im_end|>\n", "You are welcome.<|im_end|>\n"]
+    assert dataset.loss_units == [sum(label != IGNORE for label in dataset[0]["labels"])]
+    assert dataset[0]["labels"] == [t if t != IGNORE else IGNORE for t in dataset[0]["labels"]]
+    labelled = [i for i, label in enumerate(dataset[0]["labels"]) if label != IGNORE]
+    assert all(dataset[0]["input_ids"][i] == dataset[0]["labels"][i] for i in labelled)
+
+
+def test_prompt_and_completion_columns_train_like_messages(tokenizer):
+    from datasets import Dataset
+
+    pairs = Dataset.from_dict({"prompt": ["Refund order 42?"], "completion": ["Team: billing\nDone."]})
+    messages = Dataset.from_dict({"messages": [[{"role": "user", "content": "Refund order 42?"},
+                                                {"role": "assistant", "content": "Team: billing\nDone."}]]})
+    a, _ = tokenize_conversations(read_conversations(pairs, "train"), tokenizer, 1024, "train")
+    b, _ = tokenize_conversations(read_conversations(messages, "train"), tokenizer, 1024, "train")
+    assert a[0] == b[0] and trained_text(tokenizer, a[0]) == ["Team: billing\nDone.<|im_end|>\n"]
+
+
+def test_a_packed_batch_gives_each_token_the_loss_it_has_alone(tokenizer):
+    """Attention never crosses from one packed example into the next: per-token losses match (fp32)."""
+    model = AutoModelForCausalLM.from_pretrained(default_chat_model_path()).eval()
+    conversations = [TWO_TURNS, *make_support_conversations()["validation"]["messages"][:3]]
+    dataset, _ = tokenize_conversations(conversations, tokenizer, 1024, "validation")
+    rows = [dataset[i] for i in range(len(dataset))]
+
+    def token_losses(batch):
+        labels = batch.pop("labels")
+        logits = model(**batch, use_cache=False).logits.float()
+        losses = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="none")
+        return losses[labels[0, 1:] != IGNORE]
+
+    with torch.no_grad():
+        packed = token_losses(DataCollatorWithFlattening()(rows))
+        alone = torch.cat([token_losses({k: torch.tensor([v]) for k, v in row.items()}) for row in rows])
+    assert packed.shape == alone.shape == (sum(dataset.loss_units),)
+    torch.testing.assert_close(packed, alone, atol=1e-4, rtol=0)
+    # Without the position ids, the same row attends across examples and the losses differ.
+    with torch.no_grad():
+        crossing = DataCollatorWithFlattening(return_position_ids=False)(rows)
+        assert (token_losses(crossing) - alone).abs().max() > 0.1
+
+
+def sft_module():
+    spec = importlib.util.spec_from_file_location("sft_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_tiny(out: Path, tiny_model: Path, chat_files: list[str], *flags, launcher=None, processes=1):
+    common = [*chat_files, "--model_name_or_path", str(tiny_model), "--output_dir", str(out), *flags]
+    if launcher == "torchrun":
+        return run(torchrun_cmd(*common, nproc=processes, script=RECIPE))
+    if launcher == "accelerate":
+        return run(accelerate_cmd(*common, num_processes=processes, script=RECIPE))
+    return run([sys.executable, RECIPE, *common])
+
+
+def history(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log_history.jsonl").read_text().splitlines()]
+
+
+PARITY_FLAGS = ["--gradient_accumulation_steps", "2", "--num_train_epochs", "2", "--lora_dropout", "0",
+                "--learning_rate", "1e-2", "--checkpointing_steps", "2", "--eval_generate", "11"]
+
+
+@pytest.mark.multiprocess
+def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, chat_files, tmp_path):
+    """The loss is the mean over the trained tokens of a whole window on all ranks: 1 x 4 equals 2 x 2."""
+    outs = {"one": tmp_path / "one", "accelerate": tmp_path / "accelerate", "torchrun": tmp_path / "torchrun"}
+    run_tiny(outs["one"], tiny_model, chat_files, *PARITY_FLAGS, "--per_device_train_batch_size", "4",
+             launcher="accelerate", processes=1)
+    for launcher in ("accelerate", "torchrun"):
+        run_tiny(outs[launcher], tiny_model, chat_files, *PARITY_FLAGS, "--per_device_train_batch_size", "2",
+                 launcher=launcher, processes=2)
+    reference = history(outs["one"])
+    assert [h["step"] for h in reference] == list(range(1, 7))  # 22 conversations, windows of 8, 2 epochs
+    adapter = load_file(outs["one"] / "adapter_model.safetensors")
+    for launcher in ("accelerate", "torchrun"):
+        ours = history(outs[launcher])
+        assert [h["step"] for h in ours] == [h["step"] for h in reference]
+        for a, b in zip(ours, reference, strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(
+                b["grad_norm"], rel=1e-4)
+        other = load_file(outs[launcher] / "adapter_model.safetensors")
+        assert other.keys() == adapter.keys()
+        assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-5
+        results, expected = read_results(outs[launcher]), read_results(outs["one"])
+        assert (results["world_size"], expected["world_size"]) == (2, 1)
+        assert results["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
+        assert results["padding_efficiency"] == expected["padding_efficiency"] == 1.0
+        generations = [json.loads(line) for line in (outs[launcher] / "eval_generations.jsonl").read_text().splitlines()]
+        alone = [json.loads(line) for line in (outs["one"] / "eval_generations.jsonl").read_text().splitlines()]
+        assert len(generations) == 11 and [g["messages"] for g in generations] == [g["messages"] for g in alone]
+        assert [g["reference"] for g in generations] == [g["reference"] for g in alone]
+    # Checkpoints hold the adapter and its optimizer state only.
+    checkpoint = load_file(outs["torchrun"] / "checkpoints" / "step_4" / "model.safetensors")
+    assert checkpoint.keys() == {k.replace(".weight", ".default.weight") for k in adapter}
+
+
+def test_generations_are_the_saved_model_s_greedy_replies(tiny_model, chat_files, tmp_path):
+    from peft import PeftModel
+
+    out = tmp_path / "out"
+    run_tiny(out, tiny_model, chat_files, "--max_train_steps", "3", "--learning_rate", "1e-2", "--eval_generate", "4",
+             "--merge_lora")
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model = PeftModel.from_pretrained(base, out).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    generations = [json.loads(line) for line in (out / "eval_generations.jsonl").read_text().splitlines()]
+    assert len(generations) == 4
+    for row in generations:
+        ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)
+        with torch.no_grad():
+            reply = model.generate(**ids, max_new_tokens=8, do_sample=False)[0, ids["input_ids"].shape[1]:]
+            torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, atol=1e-4, rtol=0)
+        assert tokenizer.decode(reply, skip_special_tokens=True) == row["generation"]
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_model, chat_files, tmp_path):
+    flags = ["--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
+             "--checkpointing_steps", "4", "--eval_generate", "0"]
+    run_tiny(tmp_path / "full", tiny_model, chat_files, *flags)
+    run_tiny(tmp_path / "resumed", tiny_model, chat_files, *flags, "--resume_from_checkpoint",
+             str(tmp_path / "full" / "checkpoints" / "step_4"))
+    full = load_file(tmp_path / "full" / "adapter_model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "adapter_model.safetensors")
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    timeless = [[{k: v for k, v in h.items() if k != "samples_per_second"} for h in history(tmp_path / name)]
+                for name in ("resumed", "full")]
+    assert timeless[0] == timeless[1][4:]
+
+
+def test_the_default_data_reports_routing_accuracy_from_its_generations(tmp_path):
+    out = tmp_path / "out"
+    run([sys.executable, RECIPE, "--max_train_steps", "2", "--eval_generate", "6", "--output_dir", str(out)])
+    results = read_results(out)
+    generations = [json.loads(line) for line in (out / "eval_generations.jsonl").read_text().splitlines()]
+    teams = make_support_conversations()["validation"]["team"][:6]
+    right = [routed_team(g["generation"]) == team for g, team in zip(generations, teams, strict=True)]
+    assert results["eval_routing_accuracy"] == sum(right) / 6
+    assert [g["reference"].split("\n")[0] for g in generations] == [f"Team: {t}" for t in teams]
+    assert results["eval_perplexity"] == pytest.approx(2.718281828 ** results["eval_loss"], rel=1e-6)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 16 and config["lora_alpha"] == 32 and config["target_modules"]
+
+
+def conversation(*turns) -> dict:
+    return {"messages": [{"role": role, "content": content} for role, content in turns]}
+
+
+GOOD = [conversation(("user", "Refund order 42?"), ("assistant", "Team: billing\nDone."))] * 2
+BAD = {
+    "no messages column": ([{"text": "hello"}], None, "no 'messages' column and no 'prompt' and 'completion'"),
+    "an unknown role": ([conversation(("user", "hi"), ("bot", "hello"))], None, "unknown role 'bot'"),
+    "content that is not text": ([{"messages": [{"role": "user", "content": "hi"},
+                                                {"role": "assistant", "content": 5}]}], None, "content is int"),
+    "no assistant turn": ([conversation(("user", "hi"))], None, "train row 1: no assistant message"),
+    "an empty conversation": ([*GOOD, {"messages": []}], None, "train row 3: the conversation is empty"),
+    "a prompt longer than --max_seq_length": (
+        None, [*GOOD, conversation(("user", "word " * 80), ("assistant", "ok"))],
+        "validation row(s) 3: no reply token is left within --max_seq_length 64"),
+    "target modules naming no layer": (None, None, "--lora_target_modules attn_proj"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_error_line_and_changes_nothing(tiny_model, tmp_path, capsys, case):
+    train, validation, expected = BAD[case]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("kept")
+    flags = ["--train_file", jsonl(tmp_path / "train.jsonl", train or GOOD), "--validation_file",
+             jsonl(tmp_path / "validation.jsonl", validation or GOOD), "--output_dir", str(tmp_path / "out"),
+             "--model_name_or_path", str(tiny_model), "--max_seq_length", "64"]
+    if case == "target modules naming no layer":
+        flags += ["--lora_target_modules", "attn_proj"]
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(sft_module().main, flags)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in err and expected in errors[0], err
+    assert snapshot(tmp_path) == before
+
+
+def test_a_model_without_a_chat_template_needs_one(tiny_model, tmp_path, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    template = tokenizer.chat_template
+    tokenizer.chat_template = None
+    model = tmp_path / "model"
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    flags = ["--train_file", jsonl(tmp_path / "t.jsonl", GOOD), "--validation_file", jsonl(tmp_path / "v.jsonl", GOOD),
+             "--model_name_or_path", str(model), "--output_dir", str(tmp_path / "out"), "--max_train_steps", "1"]
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(sft_module().main, flags)
+    assert exit_info.value.code == 2 and "has no chat template; give one with --chat_template FILE" in \
+        capsys.readouterr().err
+    (tmp_path / "template.jinja").write_text(template)
+    run([sys.executable, RECIPE, *flags, "--chat_template", str(tmp_path / "template.jinja")])
+    assert "{% for message in messages %}" in AutoTokenizer.from_pretrained(tmp_path / "out").chat_template
+
+
+def test_resuming_with_another_lora_configuration_is_refused(tiny_model, chat_files, tmp_path):
+    flags = ["--max_train_steps", "2", "--checkpointing_steps", "1", "--eval_generate", "0"]
+    run_tiny(tmp_path / "first", tiny_model, chat_files, *flags)
+    checkpoint = tmp_path / "first" / "checkpoints" / "step_1"
+    before = snapshot(tmp_path)
+    result = run([sys.executable, RECIPE, *chat_files, "--model_name_or_path", str(tiny_model), *flags,
+                  "--lora_r", "8", "--resume_from_checkpoint", str(checkpoint), "--output_dir",
+                  str(tmp_path / "second")], check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    assert "holds other trainable weights than this run" in errors[0]
+    assert "(8, 64) instead of (16, 64)" in errors[0] or "(64, 8) instead of (64, 16)" in errors[0]
+    assert snapshot(tmp_path) == before
