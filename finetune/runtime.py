@@ -213,7 +213,7 @@ def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor],
     if found != expected:
         differences = [f"{name} missing" for name in expected.keys() - found.keys()]
         differences += [f"{name} unexpected" for name in found.keys() - expected.keys()]
-        differences += [f"{name} {found[name]} instead of {shape}" for name, shape in expected.items()
+        differences += [f"{name}: {found[name]} in the checkpoint, {shape} here" for name, shape in expected.items()
                         if name in found and found[name] != shape]
         raise UserError(f"{folder} holds other trainable weights than this run ({len(differences)} differ, e.g. "
                         f"{sorted(differences)[0]}): it was written with another model or LoRA configuration; "
