@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,7 +63,7 @@ class CountingCollator:
     def __call__(self, features):
         batch = self.pad(features)
         if self.counting:
-            probe.record_batch(batch["attention_mask"], len(features))
+            probe.record_batch(batch, len(features))
         return batch
 
 
@@ -128,10 +129,54 @@ def trainer_ner(output_dir: str, seed: int) -> None:
         json.dump({"eval_f1": scores["overall_f1"]}, f)
 
 
+def trl_sft(kind: str, train_jsonl: str, output_dir: str) -> None:
+    """TRL's SFTTrainer on the chat recipe's work: the same model, conversations (prompt = system and user
+    turns, completion = the reply, so only the reply trains), LoRA settings, batch, learning rate, weight decay
+    and length limit, one epoch, no evaluation. ``trl_padding_free`` concatenates each batch as the recipe's
+    packing does, with activation checkpointing off as in the recipe; ``trl_default`` keeps TRL's defaults
+    (padded batches, activation checkpointing on)."""
+    import importlib.util
+
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from finetune.models import default_chat_model_path
+
+    spec = importlib.util.spec_from_file_location("sft_recipe", Path(__file__).parent.parent / "recipes" / "sft.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    defaults, lora_defaults = recipe.DEFAULTS, recipe.SFTArguments()
+
+    rows = datasets.load_dataset("json", data_files=train_jsonl, split="train")
+    pairs = rows.map(lambda row: {"prompt": row["messages"][:-1], "completion": row["messages"][-1:]},
+                     remove_columns=rows.column_names)
+    args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=defaults["per_device_train_batch_size"],
+                     learning_rate=defaults["learning_rate"], weight_decay=RECIPE.weight_decay, num_train_epochs=1,
+                     max_length=defaults["max_seq_length"], seed=SEED, bf16=torch.cuda.is_available(),
+                     save_strategy="no", report_to="none", logging_steps=1,
+                     **({"padding_free": True, "gradient_checkpointing": False} if kind == "trl_padding_free" else {}))
+    lora = LoraConfig(r=lora_defaults.lora_r, lora_alpha=lora_defaults.lora_alpha,
+                      lora_dropout=lora_defaults.lora_dropout, target_modules=lora_defaults.lora_target_modules,
+                      task_type="CAUSAL_LM")
+    trainer = SFTTrainer(model=default_chat_model_path(), args=args, train_dataset=pairs, peft_config=lora)
+    collate = trainer.data_collator
+
+    def counting_collate(features):
+        batch = collate(features)
+        probe.record_batch(batch, len(features))
+        return batch
+
+    trainer.data_collator = counting_collate
+    trainer.train()
+
+
 def main(kind: str, train_csv: str, output_dir: str, seed: str = str(SEED)) -> None:
     probe.install()
     if kind == "trainer_ner":
         trainer_ner(output_dir, int(seed))
+        return
+    if kind.startswith("trl_"):
+        trl_sft(kind, train_csv, output_dir)
         return
     torch.manual_seed(SEED)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -35,9 +35,15 @@ _all_reduces = [0]
 _all_reduces_at_step: list[int] = []
 
 
-def record_batch(attention_mask: torch.Tensor, num_real: int) -> None:
-    """Count one training batch whose first ``num_real`` rows are real examples (the rest fillers)."""
-    _batches.append((num_real, int(attention_mask[:num_real].sum()), int(attention_mask.numel()), time.time()))
+def record_batch(batch: dict, num_real: int) -> None:
+    """Count one training batch whose first ``num_real`` rows are real examples (the rest fillers).
+
+    A batch without an attention mask is packed (padding-free): every token in it is real."""
+    if "attention_mask" in batch:
+        mask = batch["attention_mask"]
+        _batches.append((num_real, int(mask[:num_real].sum()), int(mask.numel()), time.time()))
+    else:
+        _batches.append((num_real, int(batch["input_ids"].numel()), int(batch["input_ids"].numel()), time.time()))
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
@@ -97,7 +103,12 @@ def _count_recipe_batches() -> None:
     Training batches are fetched by the sampler's planned index lists, which say how many examples are
     real; evaluation batches are fetched by plain lists.
     """
-    from transformers import DataCollatorForTokenClassification, DataCollatorWithPadding
+    from transformers import (
+        DataCollatorForSeq2Seq,
+        DataCollatorForTokenClassification,
+        DataCollatorWithFlattening,
+        DataCollatorWithPadding,
+    )
 
     from finetune.batching import PlannedBatch, TokenizedDataset
 
@@ -112,12 +123,13 @@ def _count_recipe_batches() -> None:
         def call_and_count(self, features):
             batch = original_call(self, features)
             if planned_real[0] is not None:
-                record_batch(batch["attention_mask"], planned_real[0])
+                record_batch(batch, planned_real[0])
             return batch
         return call_and_count
 
     TokenizedDataset.__getitems__ = fetch_and_note
-    for collator in (DataCollatorWithPadding, DataCollatorForTokenClassification):
+    for collator in (DataCollatorWithPadding, DataCollatorForTokenClassification, DataCollatorForSeq2Seq,
+                     DataCollatorWithFlattening):
         collator.__call__ = counting(collator.__call__)
 
 

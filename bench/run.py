@@ -114,13 +114,32 @@ TRAINING_FIGURES = {
     "padding_efficiency": ("recipe_accelerate", "padding_efficiency", 0.9),
     "useful_flops_vs_matmul": ("recipe_accelerate", "useful_flops_vs_matmul", 0.5),
 }
+SFT = [
+    Config("sft_packed", "sft.py, accelerate launch, packed batches (the default)", "accelerate", recipe="sft",
+           recipe_flags=["--eval_generate", "0"]),
+    Config("sft_padded", "sft.py, accelerate launch, --no_packing (padded, grouped by length)", "accelerate",
+           recipe="sft", recipe_flags=["--eval_generate", "0", "--no_packing"]),
+    Config("trl_padding_free", "TRL SFTTrainer, padding_free=True, activation checkpointing off", "python",
+           recipe="sft"),
+    Config("trl_default", "TRL SFTTrainer, its defaults (padded, activation checkpointing on)", "python",
+           recipe="sft"),
+]
+SFT_RATIOS = {
+    "sft_vs_trl_padding_free": ("sft_packed", "trl_padding_free", 1.0),
+    "sft_vs_trl_default": ("sft_packed", "trl_default", 1.5),
+    "packed_vs_padded": ("sft_packed", "sft_padded", 1.0),
+}
+SFT_FIGURES = {"padding_efficiency": ("sft_packed", "padding_efficiency", 0.97)}
 SEEDED_SUITES = {"token_classify"}
 """Suites whose repeats each train with another seed on both sides (42, 43, ...): their F1 is compared, and one
 seed's F1 varies more than the tolerance (0.963 to 0.979 for the tagging recipe's seeds 42, 1 and 2)."""
-SUITES = {  # name: (configurations, ratios, figures, differences, results file)
-    "training": (TRAINING, TRAINING_RATIOS, TRAINING_FIGURES, {}, "latest"),
-    "hub_push": (HUB_PUSH, HUB_PUSH_RATIOS, {}, {}, "hub-push"),
-    "token_classify": (TOKEN_CLASSIFY, TOKEN_CLASSIFY_RATIOS, {}, TOKEN_CLASSIFY_DIFFERENCES, "token-classify"),
+SUITES = {  # name: (configurations, ratios, figures, differences, results file, throughput ratios are taken of)
+    "training": (TRAINING, TRAINING_RATIOS, TRAINING_FIGURES, {}, "latest", "samples_per_second"),
+    "hub_push": (HUB_PUSH, HUB_PUSH_RATIOS, {}, {}, "hub-push", "samples_per_second"),
+    "token_classify": (TOKEN_CLASSIFY, TOKEN_CLASSIFY_RATIOS, {}, TOKEN_CLASSIFY_DIFFERENCES, "token-classify",
+                       "samples_per_second"),
+    # Conversations differ in length and the two sides batch them in different orders: tokens per second.
+    "sft": (SFT, SFT_RATIOS, SFT_FIGURES, {}, "sft", "tokens_per_second"),
 }
 
 
@@ -145,12 +164,25 @@ def write_data(folder: Path, train_examples: int, eval_examples: int) -> tuple[P
     return paths[0], paths[1]
 
 
+def write_chat_data(folder: Path, train_examples: int, eval_examples: int) -> tuple[Path, Path]:
+    """The first conversations of the chat recipe's embedded default, as jsonl files both sides read."""
+    from finetune.default_chat import make_support_conversations
+
+    conversations = make_support_conversations()
+    paths = []
+    for split, count in (("train", train_examples), ("validation", eval_examples)):
+        path = folder / f"{split}.jsonl"
+        path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations[split]["messages"][:count]))
+        paths.append(path)
+    return paths[0], paths[1]
+
+
 def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, gpus: int, seed: int | None
             ) -> list[str]:
     if config.launcher == "python":
         return [sys.executable, str(BENCH / "baselines.py"), config.name, str(train_csv), str(output_dir),
                 *([str(seed)] if seed is not None else [])]
-    if config.recipe == "classify":
+    if config.recipe in ("classify", "sft"):
         recipe_flags = ["--train_file", str(train_csv), "--validation_file", str(eval_csv), "--num_train_epochs", "1"]
     else:
         recipe_flags = []  # the recipe's embedded default, as a user runs it
@@ -208,13 +240,15 @@ def summarize(config: Config, run: dict, warmup_steps: int, flop_weights: dict, 
     every_batch = [b for r in reports for b in r["batches"]]
     measured = [b for r in reports for b in r["batches"][warmup_batches:]]
     samples, real_tokens = sum(b[0] for b in measured), sum(b[1] for b in measured)
-    useful_flops = 6 * (flop_weights["per_token"] * real_tokens + flop_weights["per_example"] * samples)
+    useful_flops = (6 * (flop_weights["per_token"] * real_tokens + flop_weights["per_example"] * samples)
+                    if flop_weights else float("nan"))
     reduces = main["all_reduces_at_step"]
     measured_steps = len(steps) - warmup_steps
     measured_reduces = reduces[-1] - reduces[warmup_steps - 1]
     epoch_seconds = steps[-1] - min(b[3] for b in every_batch)
     return {
         "samples_per_second": samples / seconds,
+        "tokens_per_second": real_tokens / seconds,
         "epoch_samples_per_second": sum(b[0] for b in every_batch) / epoch_seconds,
         "padding_efficiency": sum(b[1] for b in every_batch) / sum(b[2] for b in every_batch),
         "useful_gflops_per_second": useful_flops / seconds / 1e9,
@@ -278,19 +312,22 @@ def spread(values: list[float]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="Interleaved runs of every configuration.")
-    parser.add_argument("--train_examples", type=int, default=960, help="Training examples (one epoch).")
+    parser.add_argument("--train_examples", type=int, default=None,
+                        help="Training examples (one epoch); default 960, and 80 conversations for the sft suite.")
     parser.add_argument("--warmup_steps", type=int, default=2, help="Optimizer steps left out of throughput.")
     parser.add_argument("--suite", choices=SUITES, default="training",
                         help="training: the comparisons above; hub_push: checkpoints pushed to a loopback Hub "
                              "against the same checkpoints not pushed (about 3.5 minutes); token_classify: the "
-                             "tagging recipe against Trainer run the run_ner.py way, speed and F1.")
+                             "tagging recipe against Trainer run the run_ner.py way, speed and F1; sft: the chat "
+                             "recipe, packed and padded, against TRL's SFTTrainer.")
     args = parser.parse_args()
     if args.repeats < 1 or args.warmup_steps < 1:
         sys.exit("error: --repeats and --warmup_steps must be at least 1")
 
     gpus = torch.cuda.device_count()
     device = torch.device("cuda" if gpus else "cpu")
-    configs, ratios, figures, differences, results_name = SUITES[args.suite]
+    configs, ratios, figures, differences, results_name, throughput = SUITES[args.suite]
+    args.train_examples = args.train_examples or (80 if args.suite == "sft" else 960)
     skipped = [c.name for c in configs if gpus == 1 and c.processes > 1]
     configs = [c for c in configs if c.name not in skipped]
     if gpus:
@@ -299,14 +336,15 @@ def main() -> None:
         torch.set_num_threads(2)
         print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores", flush=True)
 
-    weights = flop_weights()
+    weights = None if args.suite == "sft" else flop_weights()  # counted for the MiniLM classifier only
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("ACCELERATE_")}
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
     matmul: list[float] = []
     with tempfile.TemporaryDirectory(prefix="finetune-bench-") as scratch_name:
         scratch = Path(scratch_name)
-        data = write_data(scratch, args.train_examples, 64)
+        data = (write_chat_data(scratch, args.train_examples, 8) if args.suite == "sft"
+                else write_data(scratch, args.train_examples, 64))
         hub = None
         if any("--push_to_hub" in c.recipe_flags for c in configs):
             urls = multiprocessing.get_context("spawn").Queue()
@@ -324,13 +362,14 @@ def main() -> None:
                     runs[config.name].append(summarize(config, run, args.warmup_steps, weights, matmul[-1]))
                     latest = runs[config.name][-1]
                     print(f"[{repeat + 1}/{args.repeats}] {config.name:<20} {latest['samples_per_second']:7.1f} "
-                          f"samples/s  padding {latest['padding_efficiency']:.3f}  "
+                          f"samples/s  {latest['tokens_per_second']:7.1f} tokens/s  "
+                          f"padding {latest['padding_efficiency']:.3f}  "
                           f"{latest['wall_seconds']:5.1f} s", flush=True)
         finally:
             if hub is not None:
                 hub.terminate()
 
-    results = collect(configs, ratios, figures, differences, runs, matmul, weights, args, device, skipped)
+    results = collect(configs, ratios, figures, differences, runs, matmul, weights, args, device, skipped, throughput)
     out = BENCH / "results"
     out.mkdir(exist_ok=True)
     results_name += "-cuda" if gpus else ""
@@ -340,7 +379,7 @@ def main() -> None:
 
 
 def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, weights, args, device,
-            skipped) -> dict:
+            skipped, throughput="samples_per_second") -> dict:
     repeats = args.repeats
     ratios, checks = {}, {}
     for name, (first, second, measure, target) in difference_specs.items():
@@ -351,7 +390,7 @@ def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, 
         checks[name] = target
     for name, (numerator, denominator, target) in ratio_specs.items():
         if numerator in runs and denominator in runs:
-            ratios[name] = spread([runs[numerator][i]["samples_per_second"] / runs[denominator][i]["samples_per_second"]
+            ratios[name] = spread([runs[numerator][i][throughput] / runs[denominator][i][throughput]
                                    for i in range(repeats)])
             checks[name] = target
     for name, (config, measure, target) in figure_specs.items():
@@ -366,7 +405,8 @@ def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, 
             "threads_per_process": figures[0]["threads_per_process"],
             "gradient_accumulation_steps": config.accumulation,
             **{measure: spread([f[measure] for f in figures]) for measure in (
-                "samples_per_second", "epoch_samples_per_second", "padding_efficiency", "useful_gflops_per_second",
+                "samples_per_second", "tokens_per_second", "epoch_samples_per_second", "padding_efficiency",
+                "useful_gflops_per_second",
                 "useful_flops_vs_matmul", "seconds_to_first_step", "all_reduces_per_optimizer_step",
                 "all_reduces_per_micro_step")},
             "peak_rss_mib_per_process": [max(f["peak_rss_mib"][rank] for f in figures)
@@ -380,6 +420,7 @@ def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, 
         "torch": torch.__version__,
         "suite": args.suite,
         "repeats": repeats,
+        "ratios_of": throughput,
         "train_examples": args.train_examples,
         "warmup_steps": args.warmup_steps,
         "matmul_gflops_per_second": spread([m / 1e9 for m in matmul]),
@@ -395,6 +436,8 @@ def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, 
 
 def markdown(results: dict) -> str:
     def cell(value: dict, digits: int = 1) -> str:
+        if value["median"] != value["median"]:  # NaN: not counted for this suite
+            return "-"
         return f"{value['median']:.{digits}f} ({value['min']:.{digits}f}-{value['max']:.{digits}f})"
 
     data = (f"{results['train_examples']} training examples (one epoch)" if results["suite"] != "token_classify"
@@ -404,7 +447,7 @@ def markdown(results: dict) -> str:
         f"first {results['warmup_steps']} steps excluded. Median (min-max). Matmul rate: "
         f"{cell(results['matmul_gflops_per_second'])} GFLOP/s.",
         "",
-        "| ratio | median (min-max) | target | met |",
+        f"| ratio (of {results['ratios_of'].replace('_', ' ')}) | median (min-max) | target | met |",
         "|---|---|---|---|",
     ]
     for name, target in results["targets"].items():
@@ -412,22 +455,22 @@ def markdown(results: dict) -> str:
                      f"{'yes' if target['met'] else 'NO'} |")
     lines += [
         "",
-        "| configuration | samples/s | samples/s, whole epoch | padding efficiency | useful GFLOP/s | of matmul | "
-        "first step (s) | peak RSS (MiB) | all-reduces | eval F1 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | samples/s | tokens/s | samples/s, whole epoch | padding efficiency | useful GFLOP/s | "
+        "of matmul | first step (s) | peak RSS (MiB) | all-reduces | eval F1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, c in results["configs"].items():
         lines.append(
-            f"| {name}: {c['what']} | {cell(c['samples_per_second'])} | "
+            f"| {name}: {c['what']} | {cell(c['samples_per_second'])} | {cell(c['tokens_per_second'])} | "
             f"{c['epoch_samples_per_second']['median']:.1f} | {c['padding_efficiency']['median']:.3f} | "
-            f"{cell(c['useful_gflops_per_second'])} | {c['useful_flops_vs_matmul']['median']:.0%} | "
+            f"{cell(c['useful_gflops_per_second'])} | {cell(c['useful_flops_vs_matmul'], 2)} | "
             f"{cell(c['seconds_to_first_step'])} | {', '.join(map(str, c['peak_rss_mib_per_process']))} | "
             f"{c['all_reduces_per_optimizer_step']['median']:g} per step, "
             f"{c['all_reduces_per_micro_step']['median']:g} per micro-step | "
             f"{cell(c['eval_f1'], 3) if c['eval_f1'] else '-'} |"
         )
     for name, why in results["skipped"].items():
-        lines.append(f"| {name} | not run: {why} | | | | | | | | |")
+        lines.append(f"| {name} | not run: {why} | | | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,57 @@
+"""The chat recipe's default run beside the base model it starts from, on the same validation tickets.
+
+    python bench/sft_default.py     # about 4 minutes on 2 CPU cores: bench/results/sft-default.json
+
+The base model is evaluated exactly as the recipe evaluates (the task's own loss and greedy replies, all 48
+validation conversations in one batch); then the default run is launched as the README launches it, and
+its ``all_results.json`` and wall time are recorded beside the base model's figures.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def base_model_metrics() -> dict:
+    spec = importlib.util.spec_from_file_location("sft_recipe", REPO / "recipes" / "sft.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    cfg, args = recipe.parse_config(recipe.SFTArguments, ["--no_use_lora"], defaults=recipe.DEFAULTS)
+    task = recipe.SFTTask(args)
+    setup = task.setup(cfg)
+    batch = setup.eval_collate([setup.eval_set[i] for i in range(len(setup.eval_set))])
+    with torch.no_grad():
+        metrics = task.metrics(task.eval_outputs(setup.model.eval(), batch))
+    return {f"eval_{name}": value for name, value in metrics.items()}
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    base = base_model_metrics()
+    print("base model:", json.dumps(base), flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                        str(REPO / "recipes" / "sft.py"), "--output_dir", f"{scratch}/out"], cwd=REPO, check=True)
+        wall = time.perf_counter() - start
+        tuned = json.loads(Path(scratch, "out", "all_results.json").read_text())
+    results = {"device": f"cpu ({torch.get_num_threads()} threads)", "torch": torch.__version__,
+               "base_model": base, "default_run": tuned, "default_run_wall_seconds": wall}
+    out = REPO / "bench" / "results" / "sft-default.json"
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
