@@ -66,7 +66,8 @@ class AccelerateRuntime(Runtime):
 
     def _load_trainable_only(self, models, input_dir):
         (model,) = models
-        state = load_file(Path(input_dir) / "model.safetensors", device=str(self.device))
+        # Read on the CPU (safetensors does not take Accelerate's "cpu:0"); loading copies onto the model's device.
+        state = load_file(Path(input_dir) / "model.safetensors")
         load_trainable_state(self.accelerator.unwrap_model(model), state, Path(input_dir))
         models.clear()  # loaded here; Accelerate would expect the full state dict
 

@@ -22,6 +22,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from finetune.errors import UserError
@@ -29,6 +30,7 @@ from finetune.errors import UserError
 __all__ = [
     "Progress",
     "check_output_dir",
+    "disk_write_failure",
     "check_unwrapped",
     "verify_checkpoint",
     "write_manifest",
@@ -61,6 +63,22 @@ class Progress:
     world_size: int = 1
     runtime: str = ""
     seed: int = 0
+
+
+def disk_write_failure(err: BaseException) -> str | None:
+    """Why writing a file failed, when the disk is to blame (full, a quota, a file size limit); else None.
+
+    Only ``OSError`` says so plainly: torch reports a failed write as a ``RuntimeError`` from its stream
+    writer, safetensors as a ``SafetensorError`` that quotes the I/O error.
+    """
+    message = str(err)
+    if isinstance(err, OSError):
+        return err.strerror or message
+    if isinstance(err, SafetensorError) and "I/O error: " in message:
+        return message.split("I/O error: ", 1)[1]
+    if isinstance(err, RuntimeError) and ("PytorchStreamWriter" in message or "unexpected pos" in message):
+        return "torch could not write a file; the disk may be full"
+    return None
 
 
 def checkpoint_path(output_dir: str, step: int) -> Path:

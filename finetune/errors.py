@@ -7,19 +7,28 @@ from collections.abc import Callable
 
 from finetune.environment import LaunchEnvironment
 
-__all__ = ["USER_ERROR_EXIT_CODE", "UserError", "run_main"]
+__all__ = ["STOPPED_EXIT_CODE", "USER_ERROR_EXIT_CODE", "Stopped", "UserError", "run_main"]
 
 USER_ERROR_EXIT_CODE = 2
+STOPPED_EXIT_CODE = 143
+"""128 + SIGTERM: what a process ended by SIGTERM reports, so schedulers read the job as stopped, not failed."""
 
 
 class UserError(Exception):
     """Bad input: the message names the problem and the fix, and is shown without a traceback."""
 
 
+class Stopped(Exception):
+    """The run stopped on a signal after writing a checkpoint of its last step; it resumes from there."""
+
+
 def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
-    """Run a recipe's ``main``; a ``UserError`` becomes one line on stderr and exit status 2."""
+    """Run a recipe's ``main``; a ``UserError`` becomes one line on stderr and exit status 2, a stop on a
+    signal (already reported) exit status 143."""
     try:
         main(argv)
+    except Stopped:
+        sys.exit(STOPPED_EXIT_CODE)
     except UserError as err:
         env = LaunchEnvironment.read()
         prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""

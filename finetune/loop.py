@@ -8,15 +8,18 @@ pushes. The task (``finetune.task.Task``) brings its data, model, loss, metrics 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 from transformers import get_scheduler, set_seed
 
@@ -25,6 +28,8 @@ from finetune.checkpoint import (
     Progress,
     check_output_dir,
     check_unwrapped,
+    checkpoint_path,
+    disk_write_failure,
     find_latest_checkpoint,
     read_progress,
     resolve_resume_checkpoint,
@@ -32,10 +37,11 @@ from finetune.checkpoint import (
 from finetune.config import TrainConfig
 from finetune.ddp import pad_second_dim
 from finetune.environment import LaunchEnvironment
-from finetune.errors import UserError
+from finetune.errors import Stopped, UserError
 from finetune.hub import HubPusher, download_last_checkpoint, model_card
 from finetune.launcher import make_runtime
 from finetune.models import optimizer_param_groups
+from finetune.preemption import StopSignals
 from finetune.runtime import Runtime, TrackerSettings
 from finetune.task import Task
 
@@ -58,16 +64,20 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
     # -- where the run starts: a fresh output folder, or a checkpoint to continue from
     env = LaunchEnvironment.read()
     resume_spec = cfg.resume_from_checkpoint
-    if env.restart_count > 0 and (latest := find_latest_checkpoint(cfg.output_dir)):
+    if env.restart_count > 0 and find_latest_checkpoint(cfg.output_dir):
         # The launcher restarted the job after a failure: continue from the newest checkpoint it wrote, not from
         # the start or from an older --resume_from_checkpoint again.
-        resume_spec = str(latest)
+        resume_spec = "latest"
     if resume_spec and resume_spec.startswith("hub:"):
         resume_spec = str(download_last_checkpoint(resume_spec, cfg.hub_revision, cfg.hub_token))
     resume_from = resolve_resume_checkpoint(resume_spec, cfg.output_dir)
     check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resuming=resume_from is not None)
 
-    with make_runtime(cfg, _tracker_settings(task, cfg, task_options)) as runtime:
+    # A stop signal from now on is noted, not obeyed at once: the loop saves at its next optimizer step.
+    with StopSignals() as stop, make_runtime(cfg, _tracker_settings(task, cfg, task_options)) as runtime, \
+            contextlib.ExitStack() as closing:
+        if resume_spec == "latest":
+            resume_from = _main_process_choice(runtime, resume_from, cfg.output_dir)
         set_seed(cfg.seed)
         hub = HubPusher(enabled=cfg.push_to_hub and runtime.is_main_process, output_dir=cfg.output_dir,
                         repo_id=cfg.hub_model_id, token=cfg.hub_token, private=cfg.hub_private_repo,
@@ -105,7 +115,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             runtime.load_state(resume_from)
             runtime.print(f"resumed from {resume_from} at step {progress.global_step}")
 
-        truncated = sum(length >= cfg.max_seq_length for length in setup.train_set.lengths)
+        truncated = sum(length >= cfg.max_seq_length for length in sampler.lengths)
         runtime.print(
             f"training {task.name} on {setup.data_source}: {len(setup.train_set)} examples ({truncated} cut "
             f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {max_steps} steps, {runtime.world_size} "
@@ -116,18 +126,37 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             runtime.log(metrics, step=progress.global_step)
             return metrics, outputs
 
-        def save_checkpoint():
+        # A non-finite loss or gradient norm is noted on the device (no sync per step) and checked, on every
+        # process, before anything is written or logged: no such weights reach a checkpoint, the model or the Hub.
+        nonfinite_at = torch.full((), -1, dtype=torch.long, device=runtime.device)  # the first such step
+        window_finite = torch.ones((), dtype=torch.bool, device=runtime.device)
+
+        def check_finite() -> None:
+            local = int(nonfinite_at.item())
+            (first,) = runtime.max_over_processes([-local if local >= 0 else -math.inf])
+            if first > -math.inf:
+                raise UserError(
+                    f"the loss or the gradient norm was not finite at step {int(-first)}, so nothing from that step on "
+                    f"was saved; lower --learning_rate (now {cfg.learning_rate}), keep --max_grad_norm above 0, look "
+                    "for extreme rows in the data, and resume from the last checkpoint")
+
+        def save_checkpoint() -> Path:
+            check_finite()
             folder = runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)
             hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, setup.tokenizer)
+            return folder
 
         # -- train
         if runtime.is_main_process:
             os.makedirs(cfg.output_dir, exist_ok=True)
-        progress_bar = tqdm(total=max_steps, initial=progress.global_step, disable=not runtime.is_main_process)
+        # closed however the loop ends, so that an error is printed on a line of its own
+        progress_bar = closing.enter_context(
+            tqdm(total=max_steps, initial=progress.global_step, disable=not runtime.is_main_process))
         interval_loss = torch.zeros((), device=runtime.device)  # summed on the device: no host sync per step
         interval_units = interval_examples = 0
         total_loss, total_units, total_examples = 0.0, 0, 0
         real_tokens = processed_tokens = 0  # for padding efficiency; counted from shapes, no device sync
+        lengths = setup.train_set.lengths
         grad_norm = None
         start = last_log = time.perf_counter()
         metrics, eval_outputs, evaluated_at = {}, None, None
@@ -141,14 +170,16 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                 with runtime.accumulate(model):
                     loss = task.loss(model, batch)
                     runtime.backward(loss * planned.loss_scale)
+                    window_finite &= torch.isfinite(loss.detach())
                     if runtime.sync_gradients:
                         if cfg.max_grad_norm > 0:  # clip the gradient; its norm before clipping is logged
                             grad_norm = runtime.clip_grad_norm_(model, cfg.max_grad_norm)
+                            window_finite &= torch.isfinite(grad_norm)
                         optimizer.step()
                         scheduler.step()
                         optimizer.zero_grad()
                 if planned.num_real:
-                    real_tokens += sum(setup.train_set.lengths[i] for i in planned)
+                    real_tokens += sum(lengths[i] for i in planned)
                     processed_tokens += batch["input_ids"].numel()
                     interval_loss += loss.detach().float()
                     interval_units += planned.units
@@ -158,9 +189,12 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                     continue
                 progress.global_step += 1
                 progress_bar.update(1)
+                nonfinite_at = torch.where((nonfinite_at < 0) & ~window_finite, progress.global_step, nonfinite_at)
+                window_finite.fill_(True)
 
                 # log, evaluate and checkpoint at their cadence
                 if progress.global_step % cfg.logging_steps == 0 or progress.global_step == max_steps:
+                    check_finite()
                     counts = torch.tensor([interval_units, interval_examples], device=runtime.device)
                     loss_sum, units, examples = runtime.reduce_sum(torch.cat([interval_loss[None], counts])).tolist()
                     total_loss, total_units = total_loss + loss_sum, total_units + int(units)
@@ -182,8 +216,16 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                 if cfg.eval_steps and progress.global_step % cfg.eval_steps == 0:
                     (metrics, eval_outputs), evaluated_at = evaluate_and_log(), progress.global_step
                     model.train()
-                if cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0:
-                    save_checkpoint()
+                saved = cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0
+                if saved:
+                    folder = save_checkpoint()
+
+                # a stop signal on any process: all save this step, then stop (the same flags resume it)
+                signal_number, negative_time = runtime.max_over_processes([stop.number, -stop.at])
+                if signal_number:
+                    folder = folder if saved else save_checkpoint()
+                    progress_bar.close()
+                    _stop(runtime, hub, folder, int(signal_number), -negative_time, progress.global_step)
                 if progress.global_step >= max_steps:
                     break
             if progress.batches_in_epoch == sampler.batches_per_rank:
@@ -216,6 +258,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             "runtime": runtime.name,
             "world_size": runtime.world_size,
         }
+        check_finite()
         _save(runtime, task, cfg, model, setup, hub, results, eval_outputs)
         runtime.wait_for_save()
         runtime.print(f"saved the model to {cfg.output_dir}\n" + json.dumps(results, indent=2))
@@ -230,6 +273,30 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                 raise UserError(f"{len(failed)} of {len(pushes)} Hub pushes failed and --hub_strict is set; "
                                 f"the model is saved in {cfg.output_dir}")
         return results
+
+
+def _main_process_choice(runtime: Runtime, chosen: Path | None, output_dir: str) -> Path | None:
+    """The newest checkpoint as the main process found it, for every process: each looked at the folder at its
+    own moment, and a checkpoint completed in between would have them resume from different steps."""
+    if runtime.is_main_process:
+        mine = read_progress(chosen).global_step if chosen else -1
+    else:
+        mine = -math.inf
+    (step,) = runtime.max_over_processes([mine])
+    return None if step < 0 else checkpoint_path(output_dir, int(step))
+
+
+def _stop(runtime: Runtime, hub: HubPusher, checkpoint: Path, signal_number: int, signal_time: float,
+          step: int) -> None:
+    """Report the stop, hand the checkpoint's push to the uploader (bounded by --hub_timeout), and raise
+    ``Stopped``; leaving the runtime's context then flushes the trackers."""
+    delay = time.time() - signal_time
+    runtime.log({"stop_signal_to_checkpoint_seconds": delay}, step=step)
+    runtime.print(f"stopped by {signal.Signals(signal_number).name} at step {step}: {checkpoint} was complete on disk "
+                  f"{delay:.1f} s after the signal; run the same command with --resume_from_checkpoint latest to "
+                  "continue")
+    hub.finish()
+    raise Stopped(f"stopped by {signal.Signals(signal_number).name} at step {step}")
 
 
 def _evaluate(runtime: Runtime, task: Task, model, eval_loader) -> tuple[dict[str, float], tuple]:
@@ -264,9 +331,11 @@ def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, setup, hub: Hub
         task.save(runtime.unwrap(model), state_dict, setup.tokenizer, cfg.output_dir)
         _write_json(Path(cfg.output_dir) / "all_results.json", results)
         task.write_predictions(eval_outputs, cfg.output_dir)
-    except OSError as err:
-        raise UserError(f"cannot write the model to {cfg.output_dir} ({err.strerror or err}); free disk space or "
-                        "choose another --output_dir") from None
+    except (OSError, RuntimeError, SafetensorError) as err:
+        if (reason := disk_write_failure(err)) is None:
+            raise
+        raise UserError(f"cannot write the model to {cfg.output_dir} ({reason}); free disk space or choose another "
+                        "--output_dir") from None
     if cfg.push_to_hub:
         local_model = cfg.model_name_or_path and os.path.isdir(os.path.expanduser(cfg.model_name_or_path))
         base_model = None if local_model else cfg.model_name_or_path or task.card.default_base_model

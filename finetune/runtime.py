@@ -20,10 +20,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch.utils.data import DataLoader
 
 from finetune.batching import GlobalBatchSampler
-from finetune.checkpoint import Progress, checkpoint_path, prune_checkpoints, write_manifest, write_progress
+from finetune.checkpoint import (
+    Progress,
+    checkpoint_path,
+    disk_write_failure,
+    prune_checkpoints,
+    write_manifest,
+    write_progress,
+)
 from finetune.errors import UserError
 
 __all__ = ["Runtime", "TrackerSettings", "load_trainable_state", "own_generator", "trainable_state_dict"]
@@ -49,7 +57,7 @@ class Runtime(ABC):
     world_size: int
     rank: int
     device: torch.device
-    _save_group = None
+    _cpu_group_handle = None
 
     @property
     def is_main_process(self) -> bool:
@@ -121,9 +129,24 @@ class Runtime(ABC):
         limit; a main process that dies is noticed by the launcher, which ends the job.
         """
         if self.world_size > 1:
-            if self._save_group is None:
-                self._save_group = dist.new_group(backend="gloo")
-            dist.monitored_barrier(group=self._save_group, timeout=SAVE_WAIT)
+            dist.monitored_barrier(group=self._cpu_group(), timeout=SAVE_WAIT)
+
+    def max_over_processes(self, values: list[float]) -> list[float]:
+        """Each value's maximum over all processes.
+
+        It runs on a gloo group over CPU tensors, so on a GPU it neither waits for the device's queued
+        work nor makes the device wait: cheap enough for every optimizer step.
+        """
+        if self.world_size == 1:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._cpu_group())
+        return tensor.tolist()
+
+    def _cpu_group(self):
+        if self._cpu_group_handle is None:
+            self._cpu_group_handle = dist.new_group(backend="gloo")
+        return self._cpu_group_handle
 
     @abstractmethod
     def unwrap(self, model) -> torch.nn.Module: ...
@@ -178,10 +201,12 @@ class Runtime(ABC):
                 partial.rename(final)
                 _fsync_directory(final.parent)
                 prune_checkpoints(output_dir, keep)
-        except OSError as err:
+        except (OSError, RuntimeError, SafetensorError) as err:
             shutil.rmtree(partial, ignore_errors=True)
-            raise UserError(f"cannot write checkpoint {final} ({err.strerror or err}); free disk space or "
-                            "choose another --output_dir; earlier checkpoints are intact") from None
+            if (reason := disk_write_failure(err)) is None:
+                raise
+            raise UserError(f"cannot write checkpoint {final} ({reason}); free disk space or choose another "
+                            "--output_dir; earlier checkpoints are intact") from None
         self.wait_for_save()
         return final
 

@@ -1,0 +1,45 @@
+"""Stopping on a scheduler's signal with the work kept: noting SIGTERM, SIGUSR1 and SIGINT without acting on them
+in the handler, so the training loop can save a checkpoint at its next optimizer step and exit.
+
+Clusters send a signal before they kill a job (Kubernetes and most schedulers SIGTERM, Slurm's ``--signal``
+often SIGUSR1), and launchers pass SIGTERM and SIGINT on to their workers. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+__all__ = ["STOP_SIGNALS", "StopSignals"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class StopSignals:
+    """While entered, notes the first stop signal (``number``, and ``at``: its wall-clock time).
+
+    Handlers are installed in the main thread only (Python allows no other); elsewhere nothing is noted.
+    """
+
+    def __init__(self):
+        self.number = 0
+        self.at = float("inf")
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _note(self, number, frame) -> None:
+        if self.number:  # asked twice: stop now, the way the signal stops a process by default
+            signal.signal(number, signal.SIG_DFL)
+            signal.raise_signal(number)
+            return
+        self.number, self.at = number, time.time()

@@ -1,0 +1,104 @@
+"""Stopping on a scheduler's signal: the step is saved, the exit says "stopped", and the same command resumes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import psutil
+import pytest
+from conftest import (
+    REPO,
+    accelerate_cmd,
+    data_flags,
+    max_weight_diff,
+    parity_flags,
+    python_cmd,
+    read_results,
+    run,
+    torchrun_cmd,
+)
+
+from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
+from finetune.errors import STOPPED_EXIT_CODE
+
+
+def start_and_signal(command: list[str], sig: signal.Signals, target: str) -> tuple[int, str]:
+    """Start ``command``; once training starts, send ``sig`` to the launcher or to rank 1's worker."""
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in job.stdout:
+        lines.append(line)
+        if line.startswith("training classify on"):
+            break
+    else:
+        raise AssertionError("".join(lines[-40:]))
+    if target == "launcher":
+        job.send_signal(sig)
+    else:
+        workers = [p for p in psutil.Process(job.pid).children(recursive=True)
+                   if p.environ().get("RANK") == "1" and "classify.py" in " ".join(p.cmdline())]
+        assert len(workers) == 1, workers
+        workers[0].send_signal(sig)
+    rest, _ = job.communicate(timeout=300)
+    return job.returncode, "".join(lines) + rest
+
+
+def stopped_step(output: str, sig: signal.Signals) -> int:
+    line = next(line for line in output.splitlines() if line.startswith(f"stopped by {sig.name} at step "))
+    return int(line.split(" at step ")[1].split(":")[0])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("launcher", "sig", "target"), [
+    pytest.param(launcher, sig, target, id=f"{launcher}-{sig.name}-to-{target}")
+    for launcher in ("torchrun", "accelerate")
+    for sig, target in ((signal.SIGTERM, "launcher"), (signal.SIGUSR1, "worker"))])
+def test_a_stop_signal_saves_that_step_and_the_same_command_resumes_to_the_same_weights(
+        parity_runs, small_data, no_dropout_model, tmp_path, launcher, sig, target):
+    """Every rank learns of the signal at the next optimizer step (a worker's own signal through a collective),
+    saves it as a checkpoint (also between --checkpointing_steps), and exits."""
+    out = tmp_path / "out"
+    flags = [*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(out)]
+    launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
+    _, output = start_and_signal(launch(*flags), sig, target)
+    step = stopped_step(output, sig)
+    assert 1 <= step < 9, output[-3000:]
+    latest = find_latest_checkpoint(str(out))
+    assert latest.name == f"step_{step}", "the stop saved the step it stopped at"
+    verify_checkpoint(latest)
+    assert not (out / "model.safetensors").exists(), "a stopped run saves a checkpoint, not a final model"
+
+    resumed = run(launch(*flags, "--resume_from_checkpoint", "latest"))
+    assert f"resumed from {latest} at step {step}" in resumed.stdout
+    assert read_results(out)["global_step"] == 9
+    assert max_weight_diff(parity_runs(launcher, 2, 4), out) <= 1e-6
+
+
+def test_a_single_process_stopped_by_ctrl_c_exits_with_the_stopped_status(small_data, tmp_path):
+    out = tmp_path / "out"
+    flags = [*data_flags(small_data), "--max_seq_length", "48", "--per_device_train_batch_size", "4",
+             "--output_dir", str(out)]
+    status, output = start_and_signal(python_cmd(*flags), signal.SIGINT, "launcher")
+    assert status == STOPPED_EXIT_CODE, output[-3000:]
+    step = stopped_step(output, signal.SIGINT)
+    assert find_latest_checkpoint(str(out)).name == f"step_{step}"
+    assert "Traceback" not in output
+    resumed = run(python_cmd(*flags, "--resume_from_checkpoint", "latest"))
+    assert f"at step {step}" in resumed.stdout and read_results(out)["global_step"] == 22
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_every_process_resumes_from_the_checkpoint_the_main_process_found(tmp_path, launcher):
+    from finetune.checkpoint import Progress, write_progress
+
+    for step in (4, 8):
+        folder = tmp_path / "checkpoints" / f"step_{step}"
+        folder.mkdir(parents=True)
+        write_progress(folder, Progress(global_step=step, world_size=2, runtime=launcher, seed=42))
+    launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
+    run(launch(str(tmp_path), script="tests/scripts/choose_checkpoint.py"))
+    chosen = [json.loads((tmp_path / f"chosen_{rank}.json").read_text()) for rank in (0, 1)]
+    assert chosen == [str(tmp_path / "checkpoints" / "step_4")] * 2
