@@ -32,6 +32,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 FAST_FLAGS = ["--max_seq_length", "48", "--per_device_eval_batch_size", "4", "--logging_steps", "1"]
 
 
+HUB_TOKEN = "hf_secretTokenValue123456"
+HUB_READ_ONLY_TOKEN = "hf_readOnlyToken987654"
+
+
+@pytest.fixture
+def hub(tmp_path):
+    """A Hub-compatible server on loopback (tests/hub_server.py) where alice's tokens work; ``hub.env`` points
+    the huggingface_hub client of a launched run at it."""
+    from hub_server import HubServer
+
+    with HubServer(tokens={HUB_TOKEN: "alice", HUB_READ_ONLY_TOKEN: "alice"},
+                   read_only_tokens=frozenset({HUB_READ_ONLY_TOKEN})) as server:
+        server.env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(tmp_path / "hub-cache"),
+                      "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": ""}
+        yield server
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

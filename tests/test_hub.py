@@ -11,21 +11,21 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST_FLAGS, data_flags, max_weight_diff, read_results, read_weights, run, torchrun_cmd
-from hub_server import Fault, HubServer
+from conftest import (
+    FAST_FLAGS,
+    HUB_READ_ONLY_TOKEN,
+    HUB_TOKEN,
+    data_flags,
+    max_weight_diff,
+    read_results,
+    read_weights,
+    run,
+    torchrun_cmd,
+)
+from hub_server import Fault
 from huggingface_hub import HfApi, constants
 
-TOKEN = "hf_secretTokenValue123456"
-READ_ONLY_TOKEN = "hf_readOnlyToken987654"
-
-
-@pytest.fixture
-def hub(tmp_path):
-    with HubServer(tokens={TOKEN: "alice", READ_ONLY_TOKEN: "alice"},
-                   read_only_tokens=frozenset({READ_ONLY_TOKEN})) as server:
-        server.env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(tmp_path / "hub-cache"),
-                      "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": ""}
-        yield server
+TOKEN, READ_ONLY_TOKEN = HUB_TOKEN, HUB_READ_ONLY_TOKEN
 
 
 def recipe(*args) -> list[str]:

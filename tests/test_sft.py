@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, accelerate_cmd, read_results, run, snapshot, torchrun_cmd
+from conftest import HUB_TOKEN, REPO, accelerate_cmd, read_results, run, snapshot, torchrun_cmd
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, LlamaConfig
 
@@ -300,3 +300,17 @@ def test_resuming_with_another_lora_configuration_is_refused(tiny_model, chat_fi
     assert re.search(r"lora_[AB]\.default\.weight: \((16, \d+|\d+, 16)\) in the checkpoint, \((8, \d+|\d+, 8)\) here",
                      errors[0]), errors[0]
     assert snapshot(tmp_path) == before
+
+
+def test_the_hub_gets_the_adapter_the_merged_model_and_a_peft_card(hub, tiny_model, chat_files, tmp_path):
+    out = tmp_path / "out"
+    result = run([sys.executable, RECIPE, *chat_files, "--model_name_or_path", str(tiny_model), "--output_dir",
+                  str(out), "--max_train_steps", "2", "--eval_generate", "2", "--merge_lora", "--push_to_hub",
+                  "--hub_model_id", "alice/support-chat", "--hub_token", HUB_TOKEN], env=hub.env)
+    files = hub.files("alice/support-chat")
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "chat_template.jinja",
+            "merged/model.safetensors", "merged/config.json", "README.md"} <= files.keys()
+    assert files["adapter_model.safetensors"] == (out / "adapter_model.safetensors").read_bytes()
+    card = files["README.md"].decode()
+    assert "library_name: peft" in card and "AutoPeftModelForCausalLM.from_pretrained(\"alice/support-chat\")" in card
+    assert "eval_loss" in card and HUB_TOKEN not in card + result.stdout + result.stderr
