@@ -64,15 +64,15 @@ def _check_conversation(messages, where: str) -> None:
 
 
 def tokenize_conversations(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase, max_length: int,
-                           name: str) -> tuple[TokenizedDataset, int]:
-    """``(dataset, rows cut)``: input ids cut to ``max_length``, labels on assistant tokens only, and the
-    trained tokens of each row as its loss units.
+                           name: str) -> TokenizedDataset:
+    """Input ids cut to ``max_length``, labels on assistant tokens only, and the trained tokens of each row
+    as its loss units.
 
     Raises:
         UserError: the template does not render turn by turn, or rows have no trained token left after the cut.
     """
     columns = {"input_ids": [], "labels": []}
-    cut, empty = 0, []
+    empty = []
     for number, messages in enumerate(conversations, start=1):
         text, spans = _render(messages, tokenizer, f"{name} row {number}")
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -80,8 +80,7 @@ def tokenize_conversations(conversations: list[list[dict]], tokenizer: PreTraine
         labels = [token if any(start <= begin < end for start, end in spans) else IGNORE
                   for token, (begin, _) in zip(ids, offsets, strict=True)]
         labels[0] = IGNORE  # the first token has nothing before it to predict it from
-        if len(ids) > max_length:
-            ids, labels, cut = ids[:max_length], labels[:max_length], cut + 1
+        ids, labels = ids[:max_length], labels[:max_length]
         if all(label == IGNORE for label in labels):
             empty.append(number)
         columns["input_ids"].append(ids)
@@ -91,7 +90,7 @@ def tokenize_conversations(conversations: list[list[dict]], tokenizer: PreTraine
         raise UserError(f"{name} row(s) {shown}: no reply token is left within --max_seq_length {max_length}; "
                         "raise --max_seq_length or shorten those prompts")
     units = [sum(label != IGNORE for label in labels) for labels in columns["labels"]]
-    return TokenizedDataset(columns, loss_units=units), cut
+    return TokenizedDataset(columns, loss_units=units)
 
 
 def _render(messages: list[dict], tokenizer, where: str) -> tuple[str, list[tuple[int, int]]]:

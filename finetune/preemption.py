@@ -2,7 +2,9 @@
 in the handler, so the training loop can save a checkpoint at its next optimizer step and exit.
 
 Clusters send a signal before they kill a job (Kubernetes and most schedulers SIGTERM, Slurm's ``--signal``
-often SIGUSR1), and launchers pass SIGTERM and SIGINT on to their workers. A second signal stops at once.
+often SIGUSR1), and launchers pass signals on to their workers, so a worker may get the same stop twice within
+milliseconds (from Slurm and from torchrun, or Ctrl-C's SIGINT from the terminal and from torchrun): repeats
+change nothing, except a SIGINT seconds after the first stop signal, a second Ctrl-C, which stops at once.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import time
 __all__ = ["STOP_SIGNALS", "StopSignals"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+SECOND_CTRL_C_AFTER = 2.0
+"""Seconds after the first stop signal from which a SIGINT is a person pressing Ctrl-C again."""
 
 
 class StopSignals:
@@ -38,8 +42,8 @@ class StopSignals:
         self._previous = {}
 
     def _note(self, number, frame) -> None:
-        if self.number:  # asked twice: stop now, the way the signal stops a process by default
-            signal.signal(number, signal.SIG_DFL)
+        if not self.number:
+            self.number, self.at = number, time.time()
+        elif number == signal.SIGINT and time.time() - self.at >= SECOND_CTRL_C_AFTER:
+            signal.signal(number, signal.SIG_DFL)  # stop now, as Ctrl-C stops a process by default
             signal.raise_signal(number)
-            return
-        self.number, self.at = number, time.time()

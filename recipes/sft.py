@@ -79,8 +79,8 @@ class SFTTask:
                 tokenizer.chat_template = f.read()
         if not tokenizer.chat_template:
             raise UserError(f"{model_path} has no chat template; give one with --chat_template FILE")
-        train_set, cut = tokenize_conversations(train, tokenizer, cfg.max_seq_length, "train")
-        eval_set, _ = tokenize_conversations(self.eval_conversations, tokenizer, cfg.max_seq_length, "validation")
+        train_set = tokenize_conversations(train, tokenizer, cfg.max_seq_length, "train")
+        eval_set = tokenize_conversations(self.eval_conversations, tokenizer, cfg.max_seq_length, "validation")
         eval_set.columns["index"] = list(range(len(eval_set)))  # which rows to generate for
         self.generate_count = min(len(eval_set), args.eval_generate if args.eval_generate is not None
                                   else len(eval_set) if self.teams else 0)
@@ -99,8 +99,7 @@ class SFTTask:
         trained = sum(train_set.loss_units)
         return TaskSetup(train_set, eval_set, packed if args.packing else padded, model, tokenizer,
                          eval_collate=padded, data_source=source,
-                         summary=f"{trained} trained tokens, {cut} conversation(s) cut, "
-                                 f"{'packed' if args.packing else 'padded'} batches"
+                         summary=f"{trained} trained tokens, {'packed' if args.packing else 'padded'} batches"
                                  + (f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else ""))
 
     def loss(self, model, batch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 
 import psutil
 import pytest
@@ -102,3 +103,26 @@ def test_every_process_resumes_from_the_checkpoint_the_main_process_found(tmp_pa
     run(launch(str(tmp_path), script="tests/scripts/choose_checkpoint.py"))
     chosen = [json.loads((tmp_path / f"chosen_{rank}.json").read_text()) for rank in (0, 1)]
     assert chosen == [str(tmp_path / "checkpoints" / "step_4")] * 2
+
+
+def test_a_stop_passed_on_twice_is_one_stop_and_a_second_ctrl_c_later_stops_at_once():
+    """Slurm and torchrun both pass SIGUSR1 on, a terminal and torchrun both pass Ctrl-C: the worker sees a stop
+    signal twice within milliseconds and must still save. A person pressing Ctrl-C again means now."""
+    import os
+    import time
+
+    from finetune.preemption import SECOND_CTRL_C_AFTER, StopSignals
+
+    with StopSignals() as stop:
+        for sig in (signal.SIGUSR1, signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            os.kill(os.getpid(), sig)
+        time.sleep(0.05)
+        assert stop.number == signal.SIGUSR1 and stop.at <= time.time()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the previous handlers are back"
+
+    script = ("import os, signal, time\nfrom finetune.preemption import StopSignals\nwith StopSignals():\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              f"    time.sleep({SECOND_CTRL_C_AFTER + 0.2})\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\nprint('survived')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == -signal.SIGINT and "survived" not in result.stdout

@@ -73,8 +73,7 @@ def trained_text(tokenizer, row: dict) -> list[str]:
 
 
 def test_every_assistant_turn_trains_and_nothing_else(tokenizer):
-    dataset, cut = tokenize_conversations([TWO_TURNS], tokenizer, 1024, "train")
-    assert cut == 0
+    dataset = tokenize_conversations([TWO_TURNS], tokenizer, 1024, "train")
     assert trained_text(tokenizer, dataset[0]) == ["Team: billing\nDone.<|im_end|>\n", "You are welcome.<|im_end|>\n"]
     assert dataset.loss_units == [sum(label != IGNORE for label in dataset[0]["labels"])]
     assert dataset[0]["labels"] == [t if t != IGNORE else IGNORE for t in dataset[0]["labels"]]
@@ -88,8 +87,8 @@ def test_prompt_and_completion_columns_train_like_messages(tokenizer):
     pairs = Dataset.from_dict({"prompt": ["Refund order 42?"], "completion": ["Team: billing\nDone."]})
     messages = Dataset.from_dict({"messages": [[{"role": "user", "content": "Refund order 42?"},
                                                 {"role": "assistant", "content": "Team: billing\nDone."}]]})
-    a, _ = tokenize_conversations(read_conversations(pairs, "train"), tokenizer, 1024, "train")
-    b, _ = tokenize_conversations(read_conversations(messages, "train"), tokenizer, 1024, "train")
+    a = tokenize_conversations(read_conversations(pairs, "train"), tokenizer, 1024, "train")
+    b = tokenize_conversations(read_conversations(messages, "train"), tokenizer, 1024, "train")
     assert a[0] == b[0] and trained_text(tokenizer, a[0]) == ["Team: billing\nDone.<|im_end|>\n"]
 
 
@@ -97,7 +96,7 @@ def test_a_packed_batch_gives_each_token_the_loss_it_has_alone(tokenizer):
     """Attention never crosses from one packed example into the next: per-token losses match (fp32)."""
     model = AutoModelForCausalLM.from_pretrained(default_chat_model_path()).eval()
     conversations = [TWO_TURNS, *make_support_conversations()["validation"]["messages"][:3]]
-    dataset, _ = tokenize_conversations(conversations, tokenizer, 1024, "validation")
+    dataset = tokenize_conversations(conversations, tokenizer, 1024, "validation")
     rows = [dataset[i] for i in range(len(dataset))]
 
     def token_losses(batch):
@@ -214,9 +213,14 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_model, chat_fil
     assert timeless[0] == timeless[1][4:]
 
 
-def test_the_default_data_reports_routing_accuracy_from_its_generations(tmp_path):
+def test_the_default_data_reports_routing_accuracy_from_its_generations(tokenizer, tmp_path):
     out = tmp_path / "out"
-    run([sys.executable, RECIPE, "--max_train_steps", "2", "--eval_generate", "6", "--output_dir", str(out)])
+    result = run([sys.executable, RECIPE, "--max_train_steps", "2", "--eval_generate", "6", "--max_seq_length", "64",
+                  "--output_dir", str(out)])
+    full = tokenize_conversations(read_conversations(make_support_conversations()["train"], "train"), tokenizer,
+                                  1024, "train")
+    cut = sum(length >= 64 for length in full.lengths)
+    assert 0 < cut < 160 and f"160 examples ({cut} cut to --max_seq_length 64)" in result.stdout
     results = read_results(out)
     generations = read_jsonl(out / "eval_generations.jsonl")
     teams = make_support_conversations()["validation"]["team"][:6]
