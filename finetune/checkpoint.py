@@ -9,14 +9,18 @@ manifest is complete, and it is used only if every checksum still matches.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -30,17 +34,18 @@ from finetune.errors import UserError
 __all__ = [
     "Progress",
     "check_output_dir",
-    "disk_write_failure",
     "check_unwrapped",
-    "verify_checkpoint",
-    "write_manifest",
     "checkpoint_path",
+    "disk_write_failure",
     "find_latest_checkpoint",
     "load_state_dict_unwrapped",
+    "output_dir_lock",
     "prune_checkpoints",
     "read_progress",
     "resolve_resume_checkpoint",
     "save_model",
+    "verify_checkpoint",
+    "write_manifest",
     "write_progress",
 ]
 
@@ -48,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_FILE = "progress.json"
 MANIFEST_FILE = "manifest.json"
+LOCK_FILE = ".finetune.lock"
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -197,11 +203,11 @@ def prune_checkpoints(output_dir: str, limit: int | None) -> None:
         shutil.rmtree(folder)
 
 
-def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
+def check_output_dir(output_dir: str, overwrite: bool, resuming: bool, remove: bool = True) -> None:
     """Refuse to write over a saved model or another run's checkpoints unless asked to.
 
     A fresh run (not resuming) with ``overwrite`` removes the other run's checkpoints first, so that pruning
-    never mixes two runs' steps.
+    never mixes two runs' steps; only where ``remove`` is set (the process that holds ``output_dir_lock``).
 
     Raises:
         UserError: ``output_dir`` holds a model or complete checkpoints and neither ``overwrite`` nor
@@ -229,8 +235,53 @@ def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
         raise UserError(f"--output_dir {output_dir} already holds another run's checkpoints "
                         f"({', '.join(checkpoints[-3:])}); pass --resume_from_checkpoint latest to continue that run, "
                         "--overwrite_output_dir to remove them, or choose another --output_dir")
-    if checkpoints:
-        shutil.rmtree(path / "checkpoints", ignore_errors=True)  # every process may get here: tolerate a race
+    if checkpoints and remove:
+        shutil.rmtree(path / "checkpoints")
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir: str):
+    """Hold ``output_dir`` for one run: a second run on it is refused while this one lives.
+
+    The lock is the kernel's (``flock`` on ``output_dir/.finetune.lock``): it ends with the process, so a
+    run that was killed leaves nothing that blocks the next. The file names its holder for the refusal, and
+    it is removed when the run ends, as is the folder if the run created it and left it empty.
+
+    Raises:
+        UserError: another living run holds the folder.
+    """
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--output_dir {output_dir} is a file; give a folder")
+    created = not path.exists()
+    lock_path = path / LOCK_FILE
+    while True:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise UserError(f"--output_dir {output_dir} cannot be written ({err.strerror}); choose another "
+                            "--output_dir") from None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 1024, 0).decode(errors="replace").strip() or "a process"
+            os.close(descriptor)
+            raise UserError(f"--output_dir {output_dir} is in use by another run ({holder}); wait for it to end or "
+                            "choose another --output_dir") from None
+        if os.path.exists(lock_path) and os.stat(lock_path).st_ino == os.fstat(descriptor).st_ino:
+            break
+        os.close(descriptor)  # the holder removed the file as we locked it: lock the current one
+    try:
+        os.ftruncate(descriptor, 0)
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode(), 0)
+        yield
+    finally:
+        os.unlink(lock_path)
+        os.close(descriptor)
+        if created and not any(path.iterdir()):
+            path.rmdir()
 
 
 def check_unwrapped(state_dict: dict) -> None:

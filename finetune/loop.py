@@ -31,6 +31,7 @@ from finetune.checkpoint import (
     checkpoint_path,
     disk_write_failure,
     find_latest_checkpoint,
+    output_dir_lock,
     read_progress,
     resolve_resume_checkpoint,
 )
@@ -71,11 +72,16 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
     if resume_spec and resume_spec.startswith("hub:"):
         resume_spec = str(download_last_checkpoint(resume_spec, cfg.hub_revision, cfg.hub_token))
     resume_from = resolve_resume_checkpoint(resume_spec, cfg.output_dir)
-    check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resuming=resume_from is not None)
 
-    # A stop signal from now on is noted, not obeyed at once: the loop saves at its next optimizer step.
-    with StopSignals() as stop, make_runtime(cfg, _tracker_settings(task, cfg, task_options)) as runtime, \
-            contextlib.ExitStack() as closing:
+    # The main process holds the output folder for the whole run (another run there is refused); a stop
+    # signal from now on is noted, not obeyed at once: the loop saves at its next optimizer step.
+    with contextlib.ExitStack() as closing:
+        if env.rank == 0:
+            closing.enter_context(output_dir_lock(cfg.output_dir))
+        check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resuming=resume_from is not None,
+                         remove=env.rank == 0)
+        stop = closing.enter_context(StopSignals())
+        runtime = closing.enter_context(make_runtime(cfg, _tracker_settings(task, cfg, task_options)))
         if resume_spec == "latest":
             resume_from = _main_process_choice(runtime, resume_from, cfg.output_dir)
         set_seed(cfg.seed)

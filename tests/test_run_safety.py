@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import signal
 import subprocess
+import time
 
 from conftest import FAST_FLAGS, REPO, data_flags, python_cmd
 
@@ -43,3 +44,29 @@ def test_a_checkpoint_the_disk_cannot_hold_is_one_clear_error_and_leaves_no_part
     assert f"cannot write checkpoint {out / 'checkpoints' / 'step_1'} (File too large" in errors[0]
     assert "free disk space" in errors[0]
     assert list((out / "checkpoints").iterdir()) == [], "no .partial folder is left behind"
+
+
+def test_a_second_run_on_a_folder_a_living_run_holds_is_refused_and_a_killed_run_blocks_nothing(small_data,
+                                                                                                tmp_path):
+    out = tmp_path / "out"
+    flags = [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "4", "--num_train_epochs", "3",
+             "--checkpointing_steps", "1", "--output_dir", str(out)]
+    first = subprocess.Popen(python_cmd(*flags), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints" / "step_1" / "manifest.json").exists():
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    # Even with --overwrite_output_dir, which would remove the first run's checkpoints.
+    second = subprocess.run(python_cmd(*flags, "--overwrite_output_dir"), cwd=REPO, capture_output=True, text=True)
+    first.kill()  # SIGKILL: the lock file stays behind, the kernel's lock does not
+    first.wait()
+    errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
+    assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
+    assert f"--output_dir {out} is in use by another run (pid {first.pid} on " in errors[0]
+    assert (out / "checkpoints" / "step_1").is_dir(), "the refused run removed nothing"
+    assert (out / ".finetune.lock").exists()
+
+    third = subprocess.run(python_cmd(*flags, "--resume_from_checkpoint", "latest", "--checkpointing_steps", "epoch"),
+                           cwd=REPO, capture_output=True, text=True)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert not (out / ".finetune.lock").exists(), "the lock file goes when its run ends"
