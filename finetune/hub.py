@@ -10,10 +10,12 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token, snapshot_download
@@ -74,6 +76,11 @@ class HubPusher:
         )
         self._reader = threading.Thread(target=self._read_outcomes, name="hub-push-outcomes", daemon=True)
         self._reader.start()
+        # Jobs reach the uploader through a thread: a pipe write blocks once the uploader stops reading (busy
+        # with a long push, or starved of CPU), and training must never wait for that.
+        self._jobs: queue.SimpleQueue[dict | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_jobs, name="hub-push-jobs", daemon=True)
+        self._writer.start()
 
     def push_checkpoint(self, folder: Path, step: int, model_config, tokenizer) -> None:
         """Queue the model at ``folder`` (``every_save``), plus the full state (``checkpoint``).
@@ -104,9 +111,11 @@ class HubPusher:
         """Wait up to ``--hub_timeout`` for queued pushes; report and return every push's outcome."""
         if not self.enabled:
             return []
-        self._uploader.stdin.close()  # no more pushes: the uploader exits once the queued ones are done
+        self._jobs.put(None)  # no more pushes: the uploader exits once the queued ones are done
+        deadline = time.monotonic() + self.timeout
         try:
-            self._uploader.wait(timeout=self.timeout)
+            self._writer.join(timeout=self.timeout)
+            self._uploader.wait(timeout=max(0.0, deadline - time.monotonic()))
             unfinished = f"the uploader stopped with exit status {self._uploader.returncode}"
         except subprocess.TimeoutExpired:
             self._uploader.kill()
@@ -118,17 +127,23 @@ class HubPusher:
                           for number in range(1, self._pushes + 1) if number not in done]
         self.statuses.sort(key=lambda status: status["push"])
         for status in self.statuses:
-            outcome = f"commit {status['commit_id']}" if "commit_id" in status else f"FAILED: {status['error']}"
+            outcome = (f"commit {status['commit_id']}, {status['seconds_after_save']:.1f} s after the files were saved"
+                       if "commit_id" in status else f"FAILED: {status['error']}")
             print(f"hub push {status['push']} ({status.get('message', '')}) to {self.repo_id}: {outcome}", flush=True)
         return list(self.statuses)
 
     def _submit(self, files: list[tuple[str, str]], message: str, stage: Path | None = None) -> None:
         self._pushes += 1
-        job = {"push": self._pushes, "message": message, "files": files, "stage": str(stage) if stage else None}
+        self._jobs.put({"push": self._pushes, "message": message, "files": files,
+                        "stage": str(stage) if stage else None, "saved_at": time.time()})
+
+    def _write_jobs(self) -> None:
         try:
-            self._uploader.stdin.write(json.dumps(job) + "\n")
-            self._uploader.stdin.flush()
-        except OSError:  # the uploader is gone; finish() reports the push as not done
+            for job in iter(self._jobs.get, None):
+                self._uploader.stdin.write(json.dumps(job) + "\n")
+                self._uploader.stdin.flush()
+            self._uploader.stdin.close()
+        except OSError:  # the uploader is gone; finish() reports its pushes as not done
             pass
 
     def _read_outcomes(self) -> None:

@@ -2,13 +2,18 @@
 
 Uploading encodes and hashes whole files. In a thread of the training process that work would hold
 the GIL between training's kernel launches and take a core from it; in a process of its own at the
-lowest CPU priority it only uses what training leaves idle. It imports nothing but huggingface_hub
-and is run by path, so it starts in a fraction of a second.
+low CPU priority (nice 10) it takes little from training, yet still a share when training keeps every
+core busy (at idle priority it would starve there, and a machine that died mid-run would leave nothing on
+the Hub). It imports nothing but huggingface_hub and is run by path, so it starts in a fraction of a second.
 
 Protocol: ``python hub_uploader.py REPO_ID [REVISION]`` with the token in ``HF_TOKEN``. Each line on
-stdin is a push: ``{"push": n, "message": ..., "files": [[path_in_repo, local_path], ...], "stage": ...}``.
-Each line on stdout is its outcome: the push number and message, and ``commit_id`` or ``error``. The
-process ends when stdin is closed and every push is done.
+stdin is a push: ``{"push": n, "message": ..., "files": [[path_in_repo, local_path], ...], "stage": ...,
+"saved_at": ...}``. Each line on stdout is its outcome: the push number and message, ``commit_id`` and
+``seconds_after_save`` (from the files being complete on disk to the commit), or ``error``. The process ends
+when stdin is closed and every push is done.
+
+Staging copies (``.hub_staging/step_N``, hard links of a checkpoint) go once pushed; a failed one stays for
+``hf upload`` until a later push is done, so at most one failed copy is kept besides those still queued.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import time
 
 from huggingface_hub import CommitOperationAdd, HfApi
 
+UPLOAD_NICENESS = 10
+"""About a tenth of a core under full load (CFS weights of nice 10 against nice 0)."""
 PUSH_ATTEMPTS = 3
 """Attempts per push; waits of 2, 4 s between them, on top of huggingface_hub's own retries."""
 
@@ -44,12 +51,15 @@ def push(api: HfApi, repo_id: str, revision: str | None, job: dict, token: str) 
             commit = api.create_commit(repo_id, operations=operations, commit_message=job["message"],
                                        revision=revision)
             status["commit_id"] = commit.oid
+            status["seconds_after_save"] = round(time.time() - job["saved_at"], 2)
             break
         except Exception as err:  # network, HTTP, quota: record and go on, training must not stop
             status["error"] = describe(err, token)
             if is_auth_error(err) or attempt == PUSH_ATTEMPTS:
                 break
             time.sleep(2**attempt)
+    if job["stage"]:
+        _remove_older_stages(job["stage"])
     if "commit_id" in status:
         status.pop("error", None)
         if job["stage"]:
@@ -57,21 +67,23 @@ def push(api: HfApi, repo_id: str, revision: str | None, job: dict, token: str) 
     else:
         where = job["stage"] or "the output folder"
         print(f"warning: hub push '{job['message']}' to {repo_id} failed after {attempt} attempt(s): "
-              f"{status['error']}. The local copy in {where} is intact; push it later with "
+              f"{status['error']}. The local copy in {where} is kept until a later push is done; push it with "
               f"`hf upload {repo_id} <folder>`.", file=sys.stderr, flush=True)
     return status
 
 
-def lowest_cpu_priority() -> None:
-    """Run only on CPU time nothing else wants: SCHED_IDLE where Linux offers it, else nice 19."""
-    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    if hasattr(os, "nice"):
-        os.nice(19)
+def _remove_older_stages(stage: str) -> None:
+    """Staging copies of earlier steps than ``stage``'s: superseded by this push, and never retried."""
+    step = int(os.path.basename(stage).removeprefix("step_"))
+    staging = os.path.dirname(stage)
+    for name in os.listdir(staging):
+        if name.startswith("step_") and name.removeprefix("step_").isdigit() and int(name[5:]) < step:
+            shutil.rmtree(os.path.join(staging, name), ignore_errors=True)
 
 
 def main() -> None:
-    lowest_cpu_priority()
+    if hasattr(os, "nice"):
+        os.nice(UPLOAD_NICENESS)
     repo_id, revision = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
     token = os.environ.get("HF_TOKEN") or None
     api = HfApi(token=token)

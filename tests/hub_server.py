@@ -233,7 +233,8 @@ class HubServer:
         new_sha = hashlib.sha1(f"{sha}{summary}{time.time_ns()}".encode()).hexdigest()
         repo.commits[new_sha] = files
         repo.branches[revision] = new_sha
-        repo.history.append({"sha": new_sha, "summary": summary, "branch": revision, "files": sorted(files)})
+        repo.history.append({"sha": new_sha, "summary": summary, "branch": revision, "files": sorted(files),
+                             "time": time.time()})
         self.json(request, {"commitOid": new_sha, "commitUrl": f"{self.url}/{repo_id}/commit/{new_sha}",
                             "pullRequestUrl": None})
 
