@@ -150,11 +150,14 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str) -> None:
     rows = datasets.load_dataset("json", data_files=train_jsonl, split="train")
     pairs = rows.map(lambda row: {"prompt": row["messages"][:-1], "completion": row["messages"][-1:]},
                      remove_columns=rows.column_names)
+    settings = {"max_length": defaults["max_seq_length"]}
+    if kind == "trl_padding_free":  # without packing TRL enforces no length limit here; these are far shorter
+        settings = {"padding_free": True, "gradient_checkpointing": False, "max_length": None}
     args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=defaults["per_device_train_batch_size"],
                      learning_rate=defaults["learning_rate"], weight_decay=RECIPE.weight_decay, num_train_epochs=1,
-                     max_length=defaults["max_seq_length"], seed=SEED, bf16=torch.cuda.is_available(),
+                     seed=SEED, bf16=torch.cuda.is_available(),
                      save_strategy="no", report_to="none", logging_steps=1,
-                     **({"padding_free": True, "gradient_checkpointing": False} if kind == "trl_padding_free" else {}))
+                     **settings)
     lora = LoraConfig(r=lora_defaults.lora_r, lora_alpha=lora_defaults.lora_alpha,
                       lora_dropout=lora_defaults.lora_dropout, target_modules=lora_defaults.lora_target_modules,
                       task_type="CAUSAL_LM")

@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
 import yaml
 from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
 
 from finetune.errors import UserError
 
@@ -156,6 +158,13 @@ def parse_config(task_class: type, argv: list[str] | None = None, *, defaults: d
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser((TrainConfig, task_class), description=description)
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file whose keys are these flags' names.")
+    for cls in (TrainConfig, task_class):
+        for name, kind in typing.get_type_hints(cls).items():
+            if kind == bool | None:  # a switch whose default is chosen at run time: --X, --no_X, or neither
+                switch = next(action for action in parser._actions if action.dest == name)
+                switch.nargs, switch.const, switch.type = "?", True, string_to_bool  # --X alone means on
+                parser.add_argument(f"--no_{name}", dest=name, action="store_const", const=False,
+                                    help=f"Turn {name} off.")
     if defaults:
         parser.set_defaults(**defaults)
     config_path = parser.parse_known_args(argv)[0].config

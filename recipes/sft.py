@@ -39,8 +39,10 @@ DEFAULTS = {"output_dir": "outputs/sft", "num_train_epochs": 2, "learning_rate":
 
 @dataclass
 class SFTArguments:
-    packing: bool = arg(True, "Concatenate each micro-batch's examples into one row with no padding, attention "
-                              "kept within each example; --no_packing pads batches grouped by length.")
+    packing: bool | None = arg(None, "Concatenate each micro-batch's examples into one row with no padding, "
+                                     "attention kept within each example; --no_packing pads batches grouped by "
+                                     "length. Default: packed where flash-attention's variable-length kernels run "
+                                     "(a GPU with flash-attn), padded elsewhere, where that measured faster.")
     chat_template: str | None = arg(None, "A Jinja chat template file, for a model that has none.")
     use_lora: bool = arg(True, "Train LoRA adapters only; --no_use_lora fine-tunes every weight.")
     lora_r: int = arg(16, "LoRA rank.")
@@ -75,6 +77,8 @@ class SFTTask:
         model_path = cfg.model_name_or_path or default_chat_model_path()
         tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
         if args.chat_template:
+            if not os.path.isfile(args.chat_template):
+                raise UserError(f"--chat_template {args.chat_template}: no such file; give a Jinja template file")
             with open(args.chat_template, encoding="utf-8") as f:
                 tokenizer.chat_template = f.read()
         if not tokenizer.chat_template:
@@ -87,7 +91,11 @@ class SFTTask:
         self.prompts, self.references = generation_prompts(self.eval_conversations[:self.generate_count], tokenizer)
         self.tokenizer = tokenizer
 
-        flash = args.packing and torch.cuda.is_available() and transformers.utils.is_flash_attn_2_available()
+        # Without flash-attention, a packed row's attention spans the whole row under a block mask (SDPA's
+        # math path on a CPU): slower than padded batches grouped by length (bench/results/sft.md).
+        flash_available = torch.cuda.is_available() and transformers.utils.is_flash_attn_2_available()
+        packing = flash_available if args.packing is None else args.packing
+        flash = packing and flash_available
         model = from_pretrained(transformers.AutoModelForCausalLM, model_path, trust_remote_code=cfg.trust_remote_code,
                                 **({"attn_implementation": "flash_attention_2"} if flash else {}))
         if args.use_lora:
@@ -97,13 +105,14 @@ class SFTTask:
         # with flash-attention, from the sequence lengths the collator adds).
         packed = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash)
         trained = sum(train_set.loss_units)
-        return TaskSetup(train_set, eval_set, packed if args.packing else padded, model, tokenizer,
+        return TaskSetup(train_set, eval_set, packed if packing else padded, model, tokenizer,
                          eval_collate=padded, data_source=source,
-                         summary=f"{trained} trained tokens, {'packed' if args.packing else 'padded'} batches"
+                         summary=f"{trained} trained tokens, {'packed' if packing else 'padded'} batches"
                                  + (f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else ""))
 
     def loss(self, model, batch):
         labels = batch.pop("labels")
+        # No KV cache: with one, transformers skips the mask that keeps packed examples apart.
         logits = model(**batch, use_cache=False).logits.float()
         return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
                                                  reduction="sum")

@@ -199,6 +199,22 @@ def test_generations_are_the_saved_model_s_greedy_replies(tiny_model, chat_files
         assert tokenizer.decode(reply, skip_special_tokens=True) == row["generation"]
 
 
+def test_without_lora_every_weight_trains_and_a_plain_model_is_saved(tiny_model, chat_files, tmp_path):
+    out = tmp_path / "out"
+    result = run_tiny(out, tiny_model, chat_files, "--no_use_lora", "--no_packing", "--max_train_steps", "2",
+                      "--eval_generate", "0", "--checkpointing_steps", "2")
+    assert "padded batches" in result.stdout and "LoRA" not in result.stdout
+    assert not (out / "adapter_config.json").exists()
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    changed = [name for name, weight in model.state_dict().items() if not torch.equal(weight, base.state_dict()[name])]
+    assert "model.embed_tokens.weight" in changed and any("mlp" in name for name in changed)
+    checkpoint = load_file(out / "checkpoints" / "step_2" / "model.safetensors")
+    assert checkpoint.keys() == {name for name, _ in base.named_parameters()}
+    assert read_results(out)["padding_efficiency"] < 1.0
+
+
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_model, chat_files, tmp_path):
     flags = ["--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
              "--checkpointing_steps", "4", "--eval_generate", "0"]
@@ -247,20 +263,21 @@ BAD = {
     "a prompt longer than --max_seq_length": (
         None, [*GOOD, conversation(("user", "word " * 80), ("assistant", "ok"))],
         "validation row(s) 3: no reply token is left within --max_seq_length 64"),
-    "target modules naming no layer": (None, None, "--lora_target_modules attn_proj"),
+    "target modules naming no layer": (None, None, "--lora_target_modules attn_proj", "--lora_target_modules",
+                                       "attn_proj"),
+    "a chat template file that is not there": (None, None, "--chat_template nowhere.jinja: no such file",
+                                               "--chat_template", "nowhere.jinja"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_one_error_line_and_changes_nothing(tiny_model, tmp_path, capsys, case):
-    train, validation, expected = BAD[case]
+    train, validation, expected, *extra_flags = BAD[case]
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("kept")
     flags = ["--train_file", jsonl(tmp_path / "train.jsonl", train or GOOD), "--validation_file",
              jsonl(tmp_path / "validation.jsonl", validation or GOOD), "--output_dir", str(tmp_path / "out"),
-             "--model_name_or_path", str(tiny_model), "--max_seq_length", "64"]
-    if case == "target modules naming no layer":
-        flags += ["--lora_target_modules", "attn_proj"]
+             "--model_name_or_path", str(tiny_model), "--max_seq_length", "64", *extra_flags]
     before = snapshot(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         run_main(sft_module().main, flags)
