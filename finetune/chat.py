@@ -9,13 +9,17 @@ those character spans onto tokens.
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import datasets
 from transformers import PreTrainedTokenizerBase
 
 from finetune.batching import TokenizedDataset
 from finetune.errors import UserError
 
-__all__ = ["IGNORE", "ROLES", "generation_prompts", "read_conversations", "tokenize_conversations"]
+__all__ = ["IGNORE", "ROLES", "GenerationPrompt", "generation_prompts", "read_conversations", "require_chat_template",
+           "tokenize_conversations"]
 
 IGNORE = -100
 ROLES = ("system", "user", "assistant")
@@ -61,6 +65,21 @@ def _check_conversation(messages, where: str) -> None:
                             "give each message's content as a string")
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: no assistant message, so nothing to train; add the reply or drop the row")
+
+
+def require_chat_template(tokenizer: PreTrainedTokenizerBase, template_file: str | None, model: str) -> None:
+    """Give ``tokenizer`` the template in ``template_file`` (``--chat_template``), if any.
+
+    Raises:
+        UserError: the file is missing, or the tokenizer still has no template.
+    """
+    if template_file:
+        if not os.path.isfile(template_file):
+            raise UserError(f"--chat_template {template_file}: no such file; give a Jinja template file")
+        with open(template_file, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
+    if not tokenizer.chat_template:
+        raise UserError(f"{model} has no chat template; give one with --chat_template FILE")
 
 
 def tokenize_conversations(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase, max_length: int,
@@ -110,13 +129,23 @@ def _render(messages: list[dict], tokenizer, where: str) -> tuple[str, list[tupl
     return text, spans
 
 
+@dataclass
+class GenerationPrompt:
+    """What asks a model for a conversation's last reply, and that reply."""
+
+    messages: list[dict]
+    """The conversation up to its last assistant turn."""
+    token_ids: list[int]
+    """``messages`` rendered with the generation prompt."""
+    reference: str
+
+
 def generation_prompts(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase
-                       ) -> tuple[list[list[int]], list[str]]:
-    """For each conversation: the token ids that ask for its last reply, and that reply."""
-    prompts, references = [], []
+                       ) -> list[GenerationPrompt]:
+    prompts = []
     for messages in conversations:
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-        references.append(messages[last]["content"])
-    return prompts, references
+        prompts.append(GenerationPrompt(messages[:last], tokenizer(text, add_special_tokens=False)["input_ids"],
+                                        messages[last]["content"]))
+    return prompts

@@ -14,7 +14,7 @@ from datasets import Dataset, DatasetDict
 
 from finetune.default_dataset import LABEL_NAMES, make_support_tickets
 
-__all__ = ["SYSTEM_PROMPT", "make_support_conversations", "routed_team"]
+__all__ = ["SYSTEM_PROMPT", "make_support_conversations", "routed_team", "routing_accuracy"]
 
 SYSTEM_PROMPT = "Route the ticket: name the team, then reply."
 NUM_TRAIN, NUM_EVAL = 160, 48
@@ -58,3 +58,8 @@ def routed_team(reply: str) -> str | None:
     first_line = reply.strip().split("\n", 1)[0].lower()
     named = [team for team in LABEL_NAMES if team in first_line]
     return named[0] if len(named) == 1 else None
+
+
+def routing_accuracy(replies: list[str], teams: list[str]) -> float:
+    """The share of ``replies`` whose first line names the right team (of the first ``len(replies)`` tickets)."""
+    return sum(routed_team(reply) == team for reply, team in zip(replies, teams, strict=False)) / len(replies)

@@ -21,12 +21,19 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from finetune.chat import IGNORE, generation_prompts, read_conversations, tokenize_conversations
+from finetune.causal_lm import greedy_replies, language_model_collators, token_losses
+from finetune.chat import (
+    IGNORE,
+    generation_prompts,
+    read_conversations,
+    require_chat_template,
+    tokenize_conversations,
+)
 from finetune.checkpoint import save_model
 from finetune.config import arg, parse_config
 from finetune.data import load_splits
-from finetune.default_chat import make_support_conversations, routed_team
-from finetune.errors import UserError, run_main
+from finetune.default_chat import make_support_conversations, routing_accuracy
+from finetune.errors import run_main
 from finetune.lora import add_lora, save_adapter
 from finetune.models import default_chat_model_path, from_pretrained
 from finetune.task import ModelCardInfo, TaskSetup
@@ -72,94 +79,62 @@ class SFTTask:
         args = self.args
         raw, source = load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
                                   cfg.trust_remote_code, make_support_conversations, DEFAULT_DATA)
-        train, self.eval_conversations = (read_conversations(raw[split], split) for split in ("train", "validation"))
+        train, validation = (read_conversations(raw[split], split) for split in ("train", "validation"))
         self.teams = list(raw["validation"]["team"]) if source == DEFAULT_DATA else None
         model_path = cfg.model_name_or_path or default_chat_model_path()
-        tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
-        if args.chat_template:
-            if not os.path.isfile(args.chat_template):
-                raise UserError(f"--chat_template {args.chat_template}: no such file; give a Jinja template file")
-            with open(args.chat_template, encoding="utf-8") as f:
-                tokenizer.chat_template = f.read()
-        if not tokenizer.chat_template:
-            raise UserError(f"{model_path} has no chat template; give one with --chat_template FILE")
-        train_set = tokenize_conversations(train, tokenizer, cfg.max_seq_length, "train")
-        eval_set = tokenize_conversations(self.eval_conversations, tokenizer, cfg.max_seq_length, "validation")
+        self.tokenizer = from_pretrained(transformers.AutoTokenizer, model_path,
+                                         trust_remote_code=cfg.trust_remote_code)
+        require_chat_template(self.tokenizer, args.chat_template, model_path)
+        train_set = tokenize_conversations(train, self.tokenizer, cfg.max_seq_length, "train")
+        eval_set = tokenize_conversations(validation, self.tokenizer, cfg.max_seq_length, "validation")
         eval_set.columns["index"] = list(range(len(eval_set)))  # which rows to generate for
-        self.generate_count = min(len(eval_set), args.eval_generate if args.eval_generate is not None
-                                  else len(eval_set) if self.teams else 0)
-        self.prompts, self.references = generation_prompts(self.eval_conversations[:self.generate_count], tokenizer)
-        self.tokenizer = tokenizer
+        count = args.eval_generate if args.eval_generate is not None else len(validation) if self.teams else 0
+        self.prompts = generation_prompts(validation[:count], self.tokenizer)
 
-        # Without flash-attention, a packed row's attention spans the whole row under a block mask (SDPA's
-        # math path on a CPU): slower than padded batches grouped by length (bench/results/sft.md).
-        flash_available = torch.cuda.is_available() and transformers.utils.is_flash_attn_2_available()
-        packing = flash_available if args.packing is None else args.packing
-        flash = packing and flash_available
+        collate, eval_collate, packed, flash = language_model_collators(self.tokenizer, args.packing)
         model = from_pretrained(transformers.AutoModelForCausalLM, model_path, trust_remote_code=cfg.trust_remote_code,
                                 **({"attn_implementation": "flash_attention_2"} if flash else {}))
         if args.use_lora:
             model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
-        padded = transformers.DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE)
-        # Packed rows restart position ids at each example; transformers masks attention from them (on a GPU
-        # with flash-attention, from the sequence lengths the collator adds).
-        packed = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash)
-        trained = sum(train_set.loss_units)
-        return TaskSetup(train_set, eval_set, packed if packing else padded, model, tokenizer,
-                         eval_collate=padded, data_source=source,
-                         summary=f"{trained} trained tokens, {'packed' if packing else 'padded'} batches"
-                                 + (f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else ""))
+        return TaskSetup(train_set, eval_set, collate, model, self.tokenizer, eval_collate=eval_collate,
+                         data_source=source,
+                         summary=f"{sum(train_set.loss_units)} trained tokens, {'packed' if packed else 'padded'} "
+                                 "batches" + (f", LoRA r={args.lora_r} on {args.lora_target_modules}"
+                                              if args.use_lora else ""))
 
     def loss(self, model, batch):
-        labels = batch.pop("labels")
-        # No KV cache: with one, transformers skips the mask that keeps packed examples apart.
-        logits = model(**batch, use_cache=False).logits.float()
-        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
-                                                 reduction="sum")
+        return token_losses(model, batch)[0].sum()
 
     def eval_outputs(self, model, batch):
-        index, labels = batch.pop("index"), batch.pop("labels")
-        logits = model(**batch, use_cache=False).logits.float()
-        losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none")
-        return losses.sum(1), (labels[:, 1:] != IGNORE).sum(1), self._generate(model, index)
-
-    def _generate(self, model, index):
-        """Greedy replies for the batch's rows among the first ``generate_count``; -100 elsewhere."""
-        rows = [row for row, i in enumerate(index.tolist()) if i < self.generate_count]
+        index = batch.pop("index")
+        losses, labels = token_losses(model, batch)
+        # Replies for the batch's rows among the first --eval_generate, IGNORE elsewhere.
+        wanted = [(row, i) for row, i in enumerate(index.tolist()) if i < len(self.prompts)]
         replies = torch.full((len(index), 1), IGNORE, device=index.device)
-        if not rows:
-            return replies
-        prompts = [self.prompts[index[row]] for row in rows]
-        longest = max(map(len, prompts))
-        pad = self.tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts], device=index.device)
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=index.device)
-        generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.args.max_new_tokens,
-                                   do_sample=False, pad_token_id=pad)[:, longest:]
-        finished = (generated == self.tokenizer.eos_token_id).cumsum(1) > 0
-        replies = torch.full((len(index), generated.shape[1]), IGNORE, device=index.device)
-        replies[rows] = generated.masked_fill(finished, IGNORE)
-        return replies
+        if wanted:
+            rows = [row for row, _ in wanted]
+            generated = greedy_replies(model, [self.prompts[i].token_ids for _, i in wanted], self.tokenizer,
+                                       self.args.max_new_tokens, index.device)
+            replies = torch.full((len(index), generated.shape[1]), IGNORE, device=index.device)
+            replies[rows] = generated
+        return losses.sum(1), (labels != IGNORE).sum(1), replies
 
     def metrics(self, outputs):
         losses, units, replies = outputs
         loss = (losses.sum() / units.sum()).item()
         self.generations = [self.tokenizer.decode([t for t in row if t != IGNORE], skip_special_tokens=True)
-                            for row in replies[:self.generate_count].tolist()]
+                            for row in replies[:len(self.prompts)].tolist()]
         metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50))}
         if self.teams and self.generations:
-            right = [routed_team(g) == team for g, team in zip(self.generations, self.teams, strict=False)]
-            metrics["routing_accuracy"] = sum(right) / len(right)
+            metrics["routing_accuracy"] = routing_accuracy(self.generations, self.teams)
         return metrics
 
     def write_predictions(self, outputs, output_dir):
-        if not self.generations:
-            return
-        with open(os.path.join(output_dir, "eval_generations.jsonl"), "w") as f:
-            for messages, reference, generation in zip(self.eval_conversations, self.references, self.generations,
-                                                       strict=False):
-                prompt = messages[:max(i for i, m in enumerate(messages) if m["role"] == "assistant")]
-                f.write(json.dumps({"messages": prompt, "reference": reference, "generation": generation}) + "\n")
+        if self.generations:
+            with open(os.path.join(output_dir, "eval_generations.jsonl"), "w") as f:
+                for prompt, generation in zip(self.prompts, self.generations, strict=True):
+                    f.write(json.dumps({"messages": prompt.messages, "reference": prompt.reference,
+                                        "generation": generation}) + "\n")
 
     def save(self, model, state_dict, tokenizer, output_dir):
         if self.args.use_lora:

@@ -1,0 +1,51 @@
+"""Causal language models in the loop: packed or padded batches, per-token losses, greedy replies."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from finetune.chat import IGNORE
+
+__all__ = ["greedy_replies", "language_model_collators", "token_losses"]
+
+
+def language_model_collators(tokenizer, packing: bool | None) -> tuple:
+    """``(train collate, eval collate, packed, flash)`` for tokenized rows with labels.
+
+    ``packing=None`` takes the faster batches for the device: packed where flash-attention's variable-length
+    kernels run (a GPU with flash-attn installed), else padded. Without those kernels a packed row's
+    attention spans the whole row under a block mask (SDPA's math path on a CPU), slower than padded batches
+    grouped by length (``bench/results/sft.md``). ``flash`` says the model should load with
+    ``attn_implementation="flash_attention_2"``. Evaluation batches are always padded, one row per example.
+    """
+    flash_available = torch.cuda.is_available() and transformers.utils.is_flash_attn_2_available()
+    packed = flash_available if packing is None else packing
+    flash = packed and flash_available
+    padded = transformers.DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE)
+    # Packed rows restart position ids at each example; transformers masks attention from them (with
+    # flash-attention, from the sequence lengths the collator adds).
+    train = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash) if packed else padded
+    return train, padded, packed, flash
+
+
+def token_losses(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(losses, labels)``: each position's next-token cross-entropy (float32) and its label, shifted so that
+    both are ``[batch, length - 1]``; positions labelled ``IGNORE`` have loss 0. ``batch`` loses its labels."""
+    labels = batch.pop("labels")[:, 1:]
+    # No KV cache: with one, transformers skips the mask that keeps packed examples apart.
+    logits = model(**batch, use_cache=False).logits[:, :-1].float()
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none", ignore_index=IGNORE)
+    return losses, labels
+
+
+def greedy_replies(model, prompts: list[list[int]], tokenizer, max_new_tokens: int, device) -> torch.Tensor:
+    """Greedy continuations of ``prompts`` (token ids), left-padded into one batch: ``[len(prompts), L]``, with
+    ``IGNORE`` from each reply's end-of-turn token on."""
+    longest = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+    generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                               pad_token_id=pad)[:, longest:]
+    return generated.masked_fill((generated == tokenizer.eos_token_id).cumsum(1) > 0, IGNORE)
