@@ -39,13 +39,24 @@ def token_losses(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return losses, labels
 
 
-def greedy_replies(model, prompts: list[list[int]], tokenizer, max_new_tokens: int, device) -> torch.Tensor:
-    """Greedy continuations of ``prompts`` (token ids), left-padded into one batch: ``[len(prompts), L]``, with
-    ``IGNORE`` from each reply's end-of-turn token on."""
-    longest = max(map(len, prompts))
+def greedy_replies(model, index: torch.Tensor, prompts: list[list[int]], tokenizer, max_new_tokens: int
+                   ) -> torch.Tensor:
+    """Greedy replies for an evaluation batch whose rows are dataset examples ``index``: ``[len(index), L]``.
+
+    Example ``i`` gets a reply when ``i < len(prompts)`` (``prompts[i]``, token ids); every other row, and each
+    reply from its end-of-turn token on, is ``IGNORE``. The prompts are left-padded into one batch.
+    """
+    wanted = [(row, i) for row, i in enumerate(index.tolist()) if i < len(prompts)]
+    if not wanted:
+        return torch.full((len(index), 1), IGNORE, device=index.device)
+    longest = max(len(prompts[i]) for _, i in wanted)
     pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+    ids = torch.tensor([[pad] * (longest - len(prompts[i])) + prompts[i] for _, i in wanted], device=index.device)
+    mask = torch.tensor([[0] * (longest - len(prompts[i])) + [1] * len(prompts[i]) for _, i in wanted],
+                        device=index.device)
     generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                pad_token_id=pad)[:, longest:]
-    return generated.masked_fill((generated == tokenizer.eos_token_id).cumsum(1) > 0, IGNORE)
+    replies = torch.full((len(index), generated.shape[1]), IGNORE, device=index.device)
+    replies[[row for row, _ in wanted]] = generated.masked_fill((generated == tokenizer.eos_token_id).cumsum(1) > 0,
+                                                                IGNORE)
+    return replies

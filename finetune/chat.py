@@ -9,6 +9,7 @@ those character spans onto tokens.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from finetune.batching import TokenizedDataset
 from finetune.errors import UserError
 
 __all__ = ["IGNORE", "ROLES", "GenerationPrompt", "generation_prompts", "read_conversations", "require_chat_template",
-           "tokenize_conversations"]
+           "tokenize_conversations", "write_generations"]
 
 IGNORE = -100
 ROLES = ("system", "user", "assistant")
@@ -149,3 +150,11 @@ def generation_prompts(conversations: list[list[dict]], tokenizer: PreTrainedTok
         prompts.append(GenerationPrompt(messages[:last], tokenizer(text, add_special_tokens=False)["input_ids"],
                                         messages[last]["content"]))
     return prompts
+
+
+def write_generations(path: str, prompts: list[GenerationPrompt], generations: list[str]) -> None:
+    """``eval_generations.jsonl``: each prompt's messages, its reference reply and the generated one, in order."""
+    with open(path, "w") as f:
+        for prompt, generation in zip(prompts, generations, strict=True):
+            f.write(json.dumps({"messages": prompt.messages, "reference": prompt.reference,
+                                "generation": generation}) + "\n")

@@ -13,12 +13,10 @@ columns, or `--dataset_name`. Only the assistant's turns train. Flags follow TRL
 FILE.yaml` sets any of them and the command line wins.
 """
 
-import json
 import math
 import os
 from dataclasses import dataclass
 
-import torch
 import transformers
 
 from finetune.causal_lm import greedy_replies, language_model_collators, token_losses
@@ -28,6 +26,7 @@ from finetune.chat import (
     read_conversations,
     require_chat_template,
     tokenize_conversations,
+    write_generations,
 )
 from finetune.checkpoint import save_model
 from finetune.config import arg, parse_config
@@ -108,15 +107,8 @@ class SFTTask:
     def eval_outputs(self, model, batch):
         index = batch.pop("index")
         losses, labels = token_losses(model, batch)
-        # Replies for the batch's rows among the first --eval_generate, IGNORE elsewhere.
-        wanted = [(row, i) for row, i in enumerate(index.tolist()) if i < len(self.prompts)]
-        replies = torch.full((len(index), 1), IGNORE, device=index.device)
-        if wanted:
-            rows = [row for row, _ in wanted]
-            generated = greedy_replies(model, [self.prompts[i].token_ids for _, i in wanted], self.tokenizer,
-                                       self.args.max_new_tokens, index.device)
-            replies = torch.full((len(index), generated.shape[1]), IGNORE, device=index.device)
-            replies[rows] = generated
+        replies = greedy_replies(model, index, [p.token_ids for p in self.prompts], self.tokenizer,
+                                 self.args.max_new_tokens)
         return losses.sum(1), (labels != IGNORE).sum(1), replies
 
     def metrics(self, outputs):
@@ -131,10 +123,7 @@ class SFTTask:
 
     def write_predictions(self, outputs, output_dir):
         if self.generations:
-            with open(os.path.join(output_dir, "eval_generations.jsonl"), "w") as f:
-                for prompt, generation in zip(self.prompts, self.generations, strict=True):
-                    f.write(json.dumps({"messages": prompt.messages, "reference": prompt.reference,
-                                        "generation": generation}) + "\n")
+            write_generations(os.path.join(output_dir, "eval_generations.jsonl"), self.prompts, self.generations)
 
     def save(self, model, state_dict, tokenizer, output_dir):
         if self.args.use_lora:
