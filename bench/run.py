@@ -324,6 +324,7 @@ def main() -> None:
     parser.add_argument("--train_examples", type=int, default=None,
                         help="Training examples (one epoch); default 960, and 80 conversations for the sft suite.")
     parser.add_argument("--warmup_steps", type=int, default=2, help="Optimizer steps left out of throughput.")
+    parser.add_argument("--results_dir", default=str(BENCH / "results"), help="Where the result files go.")
     parser.add_argument("--suite", choices=SUITES, default="training",
                         help="training: the comparisons above; hub_push: checkpoints pushed to a loopback Hub "
                              "against the same checkpoints not pushed (about 3.5 minutes); token_classify: the "
@@ -379,8 +380,8 @@ def main() -> None:
                 hub.terminate()
 
     results = collect(configs, ratios, figures, differences, runs, matmul, weights, args, device, skipped, throughput)
-    out = BENCH / "results"
-    out.mkdir(exist_ok=True)
+    out = Path(args.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
     results_name += "-cuda" if gpus else ""
     (out / f"{results_name}.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / f"{results_name}.md").write_text(markdown(results))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import DistributedType, ProjectConfiguration
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
@@ -62,14 +62,22 @@ class AccelerateRuntime(Runtime):
 
     def _save_trainable_only(self, models, weights, output_dir):
         # Checkpoints hold only the weights that train, under the unwrapped names (as the raw-DDP runtime).
+        # FSDP and DeepSpeed save sharded states their own way, and keep doing so.
+        if self._shards_itself():
+            return
         weights[:] = [trainable_state_dict(self.accelerator.unwrap_model(model)) for model in models]
 
     def _load_trainable_only(self, models, input_dir):
+        if self._shards_itself():
+            return
         (model,) = models
         # Read on the CPU (safetensors does not take Accelerate's "cpu:0"); loading copies onto the model's device.
         state = load_file(Path(input_dir) / "model.safetensors")
         load_trainable_state(self.accelerator.unwrap_model(model), state, Path(input_dir))
         models.clear()  # loaded here; Accelerate would expect the full state dict
+
+    def _shards_itself(self) -> bool:
+        return self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
     def train_loader(self, dataset, sampler, collate_fn):
         # Accelerate shards batches round-robin, which is how the sampler lays out ranks' shares.
