@@ -152,9 +152,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, setup.tokenizer)
             return folder
 
-        # -- train
-        if runtime.is_main_process:
-            os.makedirs(cfg.output_dir, exist_ok=True)
+        # -- train (the output folder exists: the main process made it when it took the lock)
         # closed however the loop ends, so that an error is printed on a line of its own
         progress_bar = closing.enter_context(
             tqdm(total=max_steps, initial=progress.global_step, disable=not runtime.is_main_process))
@@ -162,7 +160,6 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         interval_units = interval_examples = 0
         total_loss, total_units, total_examples = 0.0, 0, 0
         real_tokens = processed_tokens = 0  # for padding efficiency; counted from shapes, no device sync
-        lengths = setup.train_set.lengths
         grad_norm = None
         start = last_log = time.perf_counter()
         metrics, eval_outputs, evaluated_at = {}, None, None
@@ -185,7 +182,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                         scheduler.step()
                         optimizer.zero_grad()
                 if planned.num_real:
-                    real_tokens += sum(lengths[i] for i in planned)
+                    real_tokens += sum(sampler.lengths[i] for i in planned)
                     processed_tokens += batch["input_ids"].numel()
                     interval_loss += loss.detach().float()
                     interval_units += planned.units
