@@ -1,19 +1,22 @@
-"""What the recipe is measured against: a hand-written PyTorch loop and transformers' Trainer.
+"""What the recipes are measured against: hand-written PyTorch loops, transformers' Trainer and TRL's SFTTrainer.
 
-    python bench/baselines.py KIND TRAIN_CSV OUT_DIR [SEED]
-    (KIND: loop_random, loop_grouped, trainer_default, trainer_grouped or trainer_ner)
+    python bench/baselines.py KIND DATA_FILE OUT_DIR [SEED]
+    (KIND: loop_random, loop_same_optimizer, trainer_default, trainer_grouped, trainer_ner, loop_sft,
+    trl_padding_free or trl_default)
 
-All four train the same model on the same CSV for one epoch with the recipe's defaults: per-device
-batch 32, learning rate 1e-4, sequences cut at 128 tokens, each batch padded to its own longest row.
+The classification baselines train the same model on the same CSV for one epoch with the recipe's defaults:
+per-device batch 32, learning rate 1e-4, sequences cut at 128 tokens, each batch padded to its own longest row.
 
 - ``loop_random``: the loop everyone writes. A shuffled DataLoader, AdamW with torch's defaults, a
   linear schedule and gradient clipping at 1.0 (the recipe clips and schedules too).
-- ``loop_grouped``: the same loop over the batch order the recipe's sampler plans (grouped by length),
-  so it processes exactly the batches the recipe does and the ratio between the two is the package's
-  own overhead.
+- ``loop_same_optimizer``: a loop over the batches the recipe's sampler plans (grouped by length) with the
+  recipe's optimizer (fused AdamW, its weight decay, none on biases and norms): exactly the recipe's work
+  written by hand, so the ratio between the two is the package's own cost.
 - ``trainer_default``: ``Trainer`` with default ``TrainingArguments`` (fused AdamW, no weight decay,
   linear schedule, clipping at 1.0), given the tokenizer, so it pads per batch.
 - ``trainer_grouped``: the same with Trainer's length-grouped sampler.
+- ``loop_sft``: the chat recipe's own batches (its tokenization, sampler and collator) in a hand-written loop
+  with its optimizer, the loss from the model's ``labels``.
 
 Run under ``bench/probe.py``'s hooks (installed here), like the recipe.
 """
@@ -45,7 +48,7 @@ from transformers import (  # noqa: E402
 from finetune.batching import GlobalBatchSampler  # noqa: E402
 from finetune.config import TrainConfig  # noqa: E402
 from finetune.default_tagged_tickets import make_tagged_tickets  # noqa: E402
-from finetune.models import default_model_path  # noqa: E402
+from finetune.models import default_model_path, optimizer_param_groups  # noqa: E402
 from finetune.tagging import align_labels, encode_tags, entity_scores, first_pieces  # noqa: E402
 
 RECIPE = TrainConfig()  # the recipes' shared defaults, which every configuration uses
@@ -57,8 +60,15 @@ class CountingCollator:
     """Pads like ``collator_class`` and tells the probe what each batch held."""
 
     def __init__(self, tokenizer, collator_class=DataCollatorWithPadding):
-        self.pad = collator_class(tokenizer, return_tensors="pt")
+        self.pad = collator_class(tokenizer, return_tensors="pt") if tokenizer is not None else None
         self.counting = True
+
+    @classmethod
+    def around(cls, collate) -> CountingCollator:
+        """Counting around another collator."""
+        counting = cls(None)
+        counting.pad = collate
+        return counting
 
     def __call__(self, features):
         batch = self.pad(features)
@@ -80,10 +90,15 @@ class EvaluationIsNotTraining(TrainerCallback):
         self.collate.counting = True
 
 
-def hand_written_loop(model, train, collate, batch_sampler, device, bf16):
+def hand_written_loop(model, train, collate, batch_sampler, device, bf16, recipe_optimizer: bool,
+                      learning_rate: float = LEARNING_RATE) -> None:
     model.to(device).train()
     loader = torch.utils.data.DataLoader(train, batch_sampler=batch_sampler, collate_fn=collate)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    if recipe_optimizer:
+        optimizer = torch.optim.AdamW(optimizer_param_groups(model, RECIPE.weight_decay), lr=learning_rate,
+                                      fused=True)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     scheduler = get_linear_schedule_with_warmup(optimizer, 0, len(loader))
     for batch in loader:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -94,6 +109,31 @@ def hand_written_loop(model, train, collate, batch_sampler, device, bf16):
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
+
+
+def sft_recipe():
+    """``recipes/sft.py`` as a module: its defaults and its task."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sft_recipe", Path(__file__).parent.parent / "recipes" / "sft.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe
+
+
+def loop_sft(train_jsonl: str, device, bf16) -> None:
+    """The chat recipe's tokenized conversations, length-grouped batches, padding collator and LoRA model, trained
+    by a hand-written loop with the recipe's optimizer and learning rate."""
+    from finetune.config import parse_config
+
+    recipe = sft_recipe()
+    cfg, args = parse_config(recipe.SFTArguments, ["--train_file", train_jsonl, "--validation_file", train_jsonl,
+                                                   "--no_packing"], defaults=recipe.DEFAULTS)
+    setup = recipe.SFTTask(args).setup(cfg)
+    batches = GlobalBatchSampler(setup.train_set.lengths, cfg.per_device_train_batch_size, 1, seed=SEED,
+                                 group_by_length=True)
+    hand_written_loop(setup.model, setup.train_set, CountingCollator.around(setup.collate), batches, device, bf16,
+                      recipe_optimizer=True, learning_rate=cfg.learning_rate)
 
 
 def trainer_ner(output_dir: str, seed: int) -> None:
@@ -135,16 +175,12 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str) -> None:
     and length limit, one epoch, no evaluation. ``trl_padding_free`` concatenates each batch as the recipe's
     packing does, with activation checkpointing off as in the recipe; ``trl_default`` keeps TRL's defaults
     (padded batches, activation checkpointing on)."""
-    import importlib.util
-
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
     from finetune.models import default_chat_model_path
 
-    spec = importlib.util.spec_from_file_location("sft_recipe", Path(__file__).parent.parent / "recipes" / "sft.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = sft_recipe()
     defaults, lora_defaults = recipe.DEFAULTS, recipe.SFTArguments()
 
     rows = datasets.load_dataset("json", data_files=train_jsonl, split="train")
@@ -162,14 +198,7 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str) -> None:
                       lora_dropout=lora_defaults.lora_dropout, target_modules=lora_defaults.lora_target_modules,
                       task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=default_chat_model_path(), args=args, train_dataset=pairs, peft_config=lora)
-    collate = trainer.data_collator
-
-    def counting_collate(features):
-        batch = collate(features)
-        probe.record_batch(batch, len(features))
-        return batch
-
-    trainer.data_collator = counting_collate
+    trainer.data_collator = CountingCollator.around(trainer.data_collator)
     trainer.train()
 
 
@@ -184,6 +213,9 @@ def main(kind: str, train_csv: str, output_dir: str, seed: str = str(SEED)) -> N
     torch.manual_seed(SEED)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = device.type == "cuda"
+    if kind == "loop_sft":
+        loop_sft(train_csv, device, bf16)
+        return
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     raw = datasets.load_dataset("csv", data_files=train_csv, split="train")
     train = raw.map(lambda batch: tokenizer(batch["text"], truncation=True, max_length=MAX_LENGTH),
@@ -195,7 +227,7 @@ def main(kind: str, train_csv: str, output_dir: str, seed: str = str(SEED)) -> N
 
     if kind.startswith("loop"):
         train = train.with_format(None).to_list()  # plain rows: what a hand-written loop indexes
-        if kind == "loop_grouped":
+        if kind == "loop_same_optimizer":
             batches = GlobalBatchSampler([len(row["input_ids"]) for row in train], BATCH_SIZE, 1, seed=SEED,
                                          group_by_length=True)
         else:
@@ -203,7 +235,7 @@ def main(kind: str, train_csv: str, output_dir: str, seed: str = str(SEED)) -> N
             batches = torch.utils.data.BatchSampler(
                 torch.utils.data.RandomSampler(train, generator=generator), BATCH_SIZE, drop_last=False
             )
-        hand_written_loop(model, train, collate, batches, device, bf16)
+        hand_written_loop(model, train, collate, batches, device, bf16, recipe_optimizer=kind == "loop_same_optimizer")
         return
 
     # transformers 5 names the sampler with train_sampling_strategy; 4.x had group_by_length.

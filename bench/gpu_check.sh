@@ -15,7 +15,7 @@ out=${1:?usage: bash bench/gpu_check.sh OUT [--rehearse]}
 rehearse=${2:-}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 step() {  # step NAME SECONDS COMMAND...: run, log, and record the exit status
   local name=$1 seconds=$2

@@ -1,6 +1,6 @@
 """What the per-step costs the recipe avoids or pays are worth, measured side by side in one process.
 
-    python bench/levers.py     # about a minute on 2 CPU cores; prints a Markdown table
+    python bench/levers.py     # about a minute on 2 CPU cores -> bench/results/levers.{json,md}
 
 Each pair runs alternately, 7 rounds, and reports medians, next to the median time of a whole
 training step (forward, backward, fused AdamW) on a length-grouped batch of median length from the
@@ -10,10 +10,13 @@ benchmark's data.
 - Padding a batch: transformers' ``DataCollatorWithPadding`` (the recipe's collator), per batch.
 - Reading the loss back every step (``loss.item()``) against not doing so. On a CPU there is no queue
   of work to drain, so this costs little here; on a GPU it stalls the launch queue every step.
+- On a CPU, a training step with 1 thread against 2 (what ``accelerate launch`` gives a lone process by
+  default against what the recipe gives it).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -29,6 +32,7 @@ from finetune.default_dataset import make_support_tickets  # noqa: E402
 from finetune.models import default_model_path  # noqa: E402
 
 ROUNDS = 7
+RESULTS = Path(__file__).resolve().parent / "results" / "levers"
 
 
 def timed(function) -> float:
@@ -91,15 +95,29 @@ def main() -> None:
         for read_loss in (False, True):
             label = "2 training steps, loss.item() each step" if read_loss else "2 training steps, no host read"
             samples.setdefault(label, []).append(timed(training_step(read_loss)))
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+            samples.setdefault("2 training steps, 1 CPU thread", []).append(timed(training_step(False)))
+            torch.set_num_threads(2)
 
     whole_step = statistics.median(samples["2 training steps, no host read"]) / 2
-    print(f"{device.type}: a training step on a batch of 32 x {batch['input_ids'].shape[1]} tokens takes "
-          f"{whole_step * 1000:.0f} ms (median)\n")
-    print("| measured | median ms | of a training step |\n|---|---|---|")
+    rows = []
     for label, values in samples.items():
         median = statistics.median(values)
         share = median / whole_step / (2 if label.startswith("2 ") else 1)
-        print(f"| {label} | {median * 1000:.1f} | {share:.1%} |")
+        rows.append({"measured": label, "median_ms": median * 1000, "min_ms": min(values) * 1000,
+                     "max_ms": max(values) * 1000, "of_a_training_step": share})
+    heading = (f"{device.type}: a training step on a batch of 32 x {batch['input_ids'].shape[1]} tokens "
+               f"(2 threads on a CPU) takes {whole_step * 1000:.0f} ms (median of {ROUNDS} rounds)")
+    table = "\n".join([heading, "", "| measured | median ms (min-max) | of a training step |", "|---|---|---|",
+                       *(f"| {r['measured']} | {r['median_ms']:.1f} ({r['min_ms']:.1f}-{r['max_ms']:.1f}) | "
+                         f"{r['of_a_training_step']:.1%} |" for r in rows)]) + "\n"
+    suffix = "-cuda" if device.type == "cuda" else ""
+    RESULTS.with_name(f"levers{suffix}.json").write_text(json.dumps(
+        {"device": device.type, "rounds": ROUNDS, "training_step_ms": whole_step * 1000, "levers": rows}, indent=2)
+        + "\n")
+    RESULTS.with_name(f"levers{suffix}.md").write_text(table)
+    print(table)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ class LaunchEnvironment:
     local_world_size: int = 1
     restart_count: int = 0
     """How often torchrun's agent restarted the workers (``TORCHELASTIC_RESTART_COUNT``)."""
+    requeue_count: int = 0
+    """How often Slurm requeued the job (``SLURM_RESTART_COUNT``, unset before the first requeue)."""
     torchrun: bool = False
     """Started by torchrun's agent (which ``accelerate launch`` also uses for several processes)."""
     accelerate: bool = False
@@ -38,6 +40,7 @@ class LaunchEnvironment:
             world_size=int(env.get("WORLD_SIZE", "1")),
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            requeue_count=int(env.get("SLURM_RESTART_COUNT", "0")),
             torchrun="TORCHELASTIC_RUN_ID" in env,
             accelerate=any(key.startswith("ACCELERATE_") for key in env),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),

@@ -65,9 +65,9 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
     # -- where the run starts: a fresh output folder, or a checkpoint to continue from
     env = LaunchEnvironment.read()
     resume_spec = cfg.resume_from_checkpoint
-    if env.restart_count > 0 and find_latest_checkpoint(cfg.output_dir):
-        # The launcher restarted the job after a failure: continue from the newest checkpoint it wrote, not from
-        # the start or from an older --resume_from_checkpoint again.
+    if (env.restart_count or env.requeue_count) and find_latest_checkpoint(cfg.output_dir):
+        # torchrun restarted the workers after a failure, or Slurm requeued the job: continue from the newest
+        # checkpoint it wrote, not from the start or from an older --resume_from_checkpoint again.
         resume_spec = "latest"
     if resume_spec and resume_spec.startswith("hub:"):
         resume_spec = str(download_last_checkpoint(resume_spec, cfg.hub_revision, cfg.hub_token))

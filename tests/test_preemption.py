@@ -52,10 +52,10 @@ def stopped_step(output: str, sig: signal.Signals) -> int:
 
 
 @pytest.mark.multiprocess
+# Each launcher once, each way a signal arrives once; tests/test_slurm.py signals every process under torchrun.
 @pytest.mark.parametrize(("launcher", "sig", "target"), [
     pytest.param(launcher, sig, target, id=f"{launcher}-{sig.name}-to-{target}")
-    for launcher in ("torchrun", "accelerate")
-    for sig, target in ((signal.SIGTERM, "launcher"), (signal.SIGUSR1, "worker"))])
+    for launcher, sig, target in (("torchrun", signal.SIGUSR1, "worker"), ("accelerate", signal.SIGTERM, "launcher"))])
 def test_a_stop_signal_saves_that_step_and_the_same_command_resumes_to_the_same_weights(
         parity_runs, small_data, no_dropout_model, tmp_path, launcher, sig, target):
     """Every rank learns of the signal at the next optimizer step (a worker's own signal through a collective),

@@ -1,0 +1,152 @@
+"""launch/slurm.sbatch on a real Slurm: Debian's slurm-wlm on this machine, one node, started for these tests by
+launch/local_slurm.sh (and installed by it where missing)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST_FLAGS, REPO, data_flags, max_weight_diff, parity_flags, read_results, snapshot
+
+from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
+
+pytestmark = pytest.mark.slurm
+
+SBATCH = str(REPO / "launch" / "slurm.sbatch")
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """``SLURM_CONF`` of a one-node cluster whose daemons live as long as this module's tests."""
+    folder = tmp_path_factory.mktemp("slurm")
+    script = str(REPO / "launch" / "local_slurm.sh")
+    started = subprocess.run([script, "start", str(folder)], capture_output=True, text=True, timeout=600)
+    assert started.returncode == 0, started.stdout + started.stderr
+    try:
+        yield {"SLURM_CONF": str(folder / "slurm.conf")}
+    finally:
+        subprocess.run([script, "stop", str(folder)], timeout=60)
+
+
+class Job:
+    """A job submitted with ``sbatch launch/slurm.sbatch recipes/classify.py ...`` from the repository."""
+
+    def __init__(self, slurm: dict, log_dir: Path, sbatch_options: list[str], recipe_flags: list[str]):
+        self.env = {**os.environ, **slurm}
+        self.id = self.command("sbatch", "--parsable", f"--output={log_dir}/%x-%j.out", *sbatch_options, SBATCH,
+                               "recipes/classify.py", *recipe_flags).strip()
+        self.log = log_dir / f"finetune-{self.id}.out"
+
+    def command(self, *command: str) -> str:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO, env=self.env)
+        assert done.returncode == 0, f"{' '.join(command)}: {done.stderr}"
+        return done.stdout
+
+    def scontrol(self, *args: str) -> str:
+        return self.command("scontrol", *args)
+
+    def info(self) -> dict[str, str]:
+        return dict(re.findall(r"(\w+)=(\S*)", self.scontrol("show", "job", "--oneliner", self.id)))
+
+    def wait(self, condition, what: str, timeout: float = 300):
+        deadline = time.monotonic() + timeout
+        while not (found := condition()):
+            info = self.info()
+            if time.monotonic() > deadline or info["JobState"] in ENDED:
+                raise AssertionError(f"job {self.id}: no {what} ({info['JobState']} after {timeout} s)\n"
+                                     f"{self.output()[-6000:]}")
+            time.sleep(0.5)
+        return found
+
+    def wait_until_ended(self, timeout: float = 300) -> dict[str, str]:
+        return self.wait(lambda: (info := self.info())["JobState"] in ENDED and info, "end", timeout)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def attempt_lines(self) -> list[str]:
+        return [line for line in self.output().splitlines() if line.startswith("[slurm.sbatch")]
+
+    def start_requeued_now(self) -> None:
+        """Slurm holds a requeued job about two minutes before it may start again; a test need not wait."""
+        self.wait(lambda: (info := self.info())["JobState"] == "PENDING" and info["Restarts"] == "1", "requeue",
+                  timeout=200)
+        self.scontrol("update", f"JobId={self.id}", "StartTime=now", "TimeLimit=10")
+
+
+def written(folder: Path) -> dict[str, tuple[str, int]]:
+    """Each file's checksum and modification time."""
+    return {path: (digest, (folder / path).stat().st_mtime_ns) for path, digest in snapshot(folder).items()}
+
+
+def checkpoint_at_least(out: Path, step: int):
+    latest = find_latest_checkpoint(str(out)) if (out / "checkpoints").is_dir() else None
+    return latest if latest and int(latest.name.split("_")[1]) >= step else None
+
+
+def test_two_torchruns_joined_by_rendezvous_train_to_the_weights_of_plain_torchrun(
+        slurm, parity_runs, small_data, no_dropout_model, tmp_path):
+    """Two torchrun agents (as on two nodes) with one process each meet at the c10d rendezvous on the first
+    node: the same 2-process training as ``torchrun --nproc_per_node=2``."""
+    out = tmp_path / "out"
+    job = Job(slurm, tmp_path, ["--ntasks-per-node=2", "--cpus-per-task=1"],
+              [*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(out)])
+    info = job.wait_until_ended()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.output()[-4000:]
+    lines = job.attempt_lines()
+    assert "2 torchrun(s) x 1 process(es)" in lines[0] and lines[-1].endswith("attempt 1: trained to the end")
+    assert read_results(out)["world_size"] == 2
+    assert max_weight_diff(parity_runs("torchrun", 2, 4), out) <= 1e-6
+
+
+def test_a_requeued_job_resumes_by_itself_to_the_same_weights_keeping_its_checkpoints(
+        slurm, parity_runs, small_data, no_dropout_model, tmp_path):
+    out = tmp_path / "out"
+    job = Job(slurm, tmp_path, ["--cpus-per-task=2"],
+              [*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(out)])
+    first = job.wait(lambda: checkpoint_at_least(out, 4), "checkpoint")
+    kept = written(first)
+    job.scontrol("requeue", job.id)
+
+    job.start_requeued_now()
+    info = job.wait_until_ended()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.output()[-4000:]
+    lines = job.attempt_lines()
+    assert any("attempt 1: stopped by Slurm" in line for line in lines), lines
+    assert lines[-1].endswith("attempt 2: trained to the end"), lines
+    stopped_at = int(re.search(r"stopped by SIGTERM at step (\d+)", job.output()).group(1))
+    assert f"resumed from {out / 'checkpoints' / f'step_{stopped_at}'} at step {stopped_at}" in job.output()
+    assert written(first) == kept, "the checkpoint written before the requeue is untouched"
+    assert read_results(out)["global_step"] == 9
+    assert max_weight_diff(parity_runs("torchrun", 2, 4), out) <= 1e-6
+
+
+def test_the_warning_before_the_time_limit_leaves_a_checkpoint_the_requeued_job_resumes_from(
+        slurm, small_data, no_dropout_model, tmp_path):
+    """With a 2-minute limit and the warning 45 s before it, Slurm (which checks limits every 30 s) warns 45 to
+    75 s into the job: the script passes the warning on, the step is saved, and the script requeues the job."""
+    out = tmp_path / "out"
+    # Only the stop writes a checkpoint: one every few of a thousand steps would fill the disk.
+    flags = [*data_flags(small_data), *FAST_FLAGS, "--model_name_or_path", str(no_dropout_model),
+             "--per_device_train_batch_size", "4", "--max_train_steps", "1000", "--output_dir", str(out)]
+    job = Job(slurm, tmp_path, ["--cpus-per-task=2", "--time=2", "--signal=B:USR1@45"], flags)
+
+    job.start_requeued_now()
+    stop = re.search(r"stopped by SIGUSR1 at step (\d+): (\S+) was complete on disk ([\d.]+) s", job.output())
+    assert stop, job.output()[-4000:]
+    assert any("attempt 1: stopped before the time limit; requeued" in line for line in job.attempt_lines())
+    checkpoint = Path(stop.group(2))
+    verify_checkpoint(checkpoint)
+    assert find_latest_checkpoint(str(out)) == checkpoint and not (out / "model.safetensors").exists()
+
+    job.wait(lambda: f"resumed from {checkpoint} at step {stop.group(1)}" in job.output(), "resume")
+    job.command("scancel", job.id)  # SIGTERM: the second attempt saves its next step and stops
+    info = job.wait_until_ended()
+    assert info["JobState"] == "CANCELLED", info
+    second = re.findall(r"stopped by SIGTERM at step (\d+)", job.output())
+    assert second and int(second[-1]) > int(stop.group(1)), "the second attempt trained on from the checkpoint"
