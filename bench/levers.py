@@ -10,6 +10,9 @@ benchmark's data.
 - Padding a batch: transformers' ``DataCollatorWithPadding`` (the recipe's collator), per batch.
 - Reading the loss back every step (``loss.item()``) against not doing so. On a CPU there is no queue
   of work to drain, so this costs little here; on a GPU it stalls the launch queue every step.
+- The chat recipe's loss: next-token cross-entropy over logits of SmolLM2's shape (a batch of 8 x 60 tokens,
+  49,152-word vocabulary), forward and backward, with the labels shifted (the vocabulary dimension stays
+  contiguous) against the logits shifted and transposed (a softmax over a strided dimension).
 - On a CPU, a training step with 1 thread against 2 (what ``accelerate launch`` gives a lone process by
   default against what the recipe gives it).
 """
@@ -84,6 +87,22 @@ def main() -> None:
             sync()
         return run
 
+    vocabulary_logits = torch.randn(8, 60, 49152, device=device)
+    next_tokens = torch.randint(0, 49152, (8, 60), device=device)
+
+    def language_model_loss(shift_labels: bool):
+        def run():
+            logits = vocabulary_logits.clone().requires_grad_()
+            if shift_labels:
+                labels = torch.nn.functional.pad(next_tokens[:, 1:], (0, 1), value=-100)
+                losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+            else:
+                losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), next_tokens[:, 1:],
+                                                           reduction="none")
+            losses.sum().backward()
+            sync()
+        return run
+
     samples: dict[str, list[float]] = {}
     for _ in range(ROUNDS):
         for name, optimizer in optimizers.items():
@@ -95,6 +114,9 @@ def main() -> None:
         for read_loss in (False, True):
             label = "2 training steps, loss.item() each step" if read_loss else "2 training steps, no host read"
             samples.setdefault(label, []).append(timed(training_step(read_loss)))
+        for shift_labels in (True, False):
+            label = "chat loss, labels shifted" if shift_labels else "chat loss, logits shifted and transposed"
+            samples.setdefault(label, []).append(timed(language_model_loss(shift_labels)))
         if device.type == "cpu":
             torch.set_num_threads(1)
             samples.setdefault("2 training steps, 1 CPU thread", []).append(timed(training_step(False)))

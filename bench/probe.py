@@ -10,7 +10,7 @@ The recipe runs unchanged; the hooks only observe. Every process writes ``rank<R
   recorded on the stream, so no synchronisation is added to the loop),
 - the examples, real tokens and padded tokens of every training batch, and when it was built, in order,
 - how many gradient all-reduces DDP launched by the end of each optimizer step (a counting comm hook),
-- the process's peak resident memory.
+- the process's peak resident memory, and on CUDA the peak of memory allocated on the GPU.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def _write_report() -> None:
         "batches": _batches,
         "all_reduces_at_step": _all_reduces_at_step,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if _cuda_events else float("nan"),
         "threads": torch.get_num_threads(),
     }
     path = os.path.join(os.environ["BENCH_REPORT_DIR"], f"rank{report['rank']}.json")

@@ -16,11 +16,13 @@ the first training batch to the last optimizer step, so every configuration is m
 and the same real tokens (start-up, before the first batch, is reported apart). Figures are medians over the
 repeats with their spread (min-max), and every ratio is taken within one repeat before the median is taken.
 
-FLOP counts: a training step spends 6 FLOPs per weight per token it multiplies (2 forward, 4 backward).
-The *useful* count charges that only for real tokens: 6 x encoder weights x real tokens, plus 6 x head
-weights (pooler, classifier) x examples. Embedding lookups, attention's own products (which grow with
-padded length) and element-wise work are not counted. The machine's matmul rate is 2n^3 / t for an
-n = 2048 float32 product (bf16 and n = 8192 on a GPU), best of 6, measured in every repeat.
+FLOP counts (``training_flops``): a weight that trains costs 6 FLOPs per token it multiplies (2 forward, 4
+backward), a frozen one 4. The *useful* count charges that only for real tokens: for classification the
+encoder per real token plus the head (pooler, classifier) per example; for chat with LoRA the frozen linear
+layers and output head plus the adapters, per real token. Embedding lookups, attention's own products (which
+grow with padded length) and element-wise work are not counted. The machine's matmul rate is 2n^3 / t for an
+n = 2048 float32 product (bf16 and n = 8192 on a GPU), best of 6, measured in every repeat; on a GPU listed in
+``GPU_BF16_PEAK`` the model FLOP utilisation divides by its data-sheet bf16 peak instead.
 
 On a CUDA machine the same command uses the GPU (bf16 autocast, NCCL for the 2-process configurations
 when there are 2 GPUs) and writes ``*-cuda.{json,md}``.
@@ -55,6 +57,8 @@ from finetune.default_dataset import make_support_tickets  # noqa: E402
 from finetune.models import default_model_path  # noqa: E402
 
 HUB_TOKEN = "hf_benchmarkToken"
+GPU_BF16_PEAK = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+"""Dense bf16 FLOP/s from NVIDIA's data sheets (SXM parts unless named), by a part of the device name."""
 
 
 @dataclass
@@ -235,7 +239,7 @@ def run_config(config: Config, data: tuple[Path, Path], scratch: Path, env: dict
             "wall_seconds": time.time() - launched_at, "f1": f1}
 
 
-def summarize(config: Config, run: dict, flop_weights: dict, matmul_rate: float) -> dict:
+def summarize(config: Config, run: dict, flops: dict, matmul_rate: float, peak: float | None) -> dict:
     """One run's figures over its whole training: every example of the epoch, so that each configuration is
     measured on the same examples and tokens, from the first training batch to the last optimizer step."""
     reports = run["reports"]
@@ -244,8 +248,7 @@ def summarize(config: Config, run: dict, flop_weights: dict, matmul_rate: float)
     batches = [b for r in reports for b in r["batches"]]
     seconds = steps[-1] - min(b[3] for b in batches)
     samples, real_tokens = sum(b[0] for b in batches), sum(b[1] for b in batches)
-    useful_flops = (6 * (flop_weights["per_token"] * real_tokens + flop_weights["per_example"] * samples)
-                    if flop_weights else float("nan"))
+    useful_flops = flops["per_token"] * real_tokens + flops["per_example"] * samples
     return {
         "samples_per_second": samples / seconds,
         "tokens_per_second": real_tokens / seconds,
@@ -254,8 +257,10 @@ def summarize(config: Config, run: dict, flop_weights: dict, matmul_rate: float)
         "padding_efficiency": real_tokens / sum(b[2] for b in batches),
         "useful_gflops_per_second": useful_flops / seconds / 1e9,
         "useful_flops_vs_matmul": useful_flops / seconds / matmul_rate,
+        "model_flops_utilisation": useful_flops / seconds / peak if peak else float("nan"),
         "seconds_to_first_step": steps[0] - main["launched_at"],
         "peak_rss_mib": [round(r["peak_rss_mib"]) for r in sorted(reports, key=lambda r: r["rank"])],
+        "peak_gpu_memory_gib": max(r.get("peak_gpu_memory_gib", float("nan")) for r in reports),
         "all_reduces_per_optimizer_step": main["all_reduces_at_step"][-1] / len(steps),
         "all_reduces_per_micro_step": main["all_reduces_at_step"][-1] / (len(steps) * config.accumulation),
         "optimizer_steps": len(steps),
@@ -281,17 +286,44 @@ def matmul_rate(device: torch.device) -> float:
     return 2 * n**3 / best
 
 
-def flop_weights() -> dict:
-    """Weights multiplied once per token (the encoder) and once per example (pooler and classifier)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+def training_flops(suite: str) -> dict:
+    """FLOPs of one training step per real token and per example (multiply-adds counted as 2).
 
+    A weight that trains costs 6 FLOPs per use (2 forward, 2 for the input's gradient, 2 for its own); a frozen
+    one 4 (no gradient of its own). Classification: the encoder per token, pooler and classifier per example.
+    Chat with LoRA: every linear layer and the output head frozen, per token, plus the adapters trained.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if suite == "sft":
+        from baselines import sft_recipe
+
+        from finetune.lora import add_lora
+        from finetune.models import default_chat_model_path
+
+        sft = sft_recipe().SFTArguments()
+        with torch.device("meta"):
+            model = add_lora(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(default_chat_model_path())),
+                             sft.lora_r, sft.lora_alpha, sft.lora_dropout, sft.lora_target_modules)
+        linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        frozen = sum(m.weight.numel() for m in linear if not m.weight.requires_grad)
+        trained = sum(m.weight.numel() for m in linear if m.weight.requires_grad)
+        return {"per_token": 4 * frozen + 6 * trained, "per_example": 0}
     config = AutoConfig.from_pretrained(default_model_path(), num_labels=4)
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config)
     per_token = sum(p.numel() for name, p in model.named_parameters() if ".encoder." in f".{name}")
     per_example = sum(p.numel() for name, p in model.named_parameters()
                       if name.startswith(("classifier", "bert.pooler", "pooler")))
-    return {"per_token": per_token, "per_example": per_example}
+    return {"per_token": 6 * per_token, "per_example": 6 * per_example}
+
+
+def bf16_peak(device: torch.device) -> float | None:
+    """The GPU's dense bf16 peak from its data sheet, for model FLOP utilisation; None if not listed."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in GPU_BF16_PEAK.items() if key in name), None)
 
 
 def lowest_cpu_priority() -> None:
@@ -345,7 +377,7 @@ def main() -> None:
         torch.set_num_threads(2)
         print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores", flush=True)
 
-    weights = None if args.suite == "sft" else flop_weights()  # counted for the MiniLM classifier only
+    flops, peak = training_flops(args.suite), bf16_peak(device)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TELEMETRY": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("ACCELERATE_")}
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
@@ -368,7 +400,7 @@ def main() -> None:
                 seed = 42 + repeat if args.suite in SEEDED_SUITES else None
                 for config in order:
                     run = run_config(config, data, scratch, env, gpus, seed)
-                    runs[config.name].append(summarize(config, run, weights, matmul[-1]))
+                    runs[config.name].append(summarize(config, run, flops, matmul[-1], peak))
                     latest = runs[config.name][-1]
                     print(f"[{repeat + 1}/{args.repeats}] {config.name:<20} {latest['samples_per_second']:7.1f} "
                           f"samples/s  {latest['tokens_per_second']:7.1f} tokens/s  "
@@ -378,7 +410,8 @@ def main() -> None:
             if hub is not None:
                 hub.terminate()
 
-    results = collect(configs, ratios, figures, differences, runs, matmul, weights, args, device, skipped, throughput)
+    results = collect(configs, ratios, figures, differences, runs, matmul, flops, peak, args, device, skipped,
+                      throughput)
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_name += "-cuda" if gpus else ""
@@ -388,7 +421,7 @@ def main() -> None:
     print(markdown(results))
 
 
-def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, weights, args, device,
+def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, flops, peak, args, device,
             skipped, throughput="samples_per_second") -> dict:
     repeats = args.repeats
     ratios, per_measure, checks = {}, {}, {}
@@ -421,7 +454,8 @@ def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, 
             "real_tokens": figures[0]["real_tokens"],
             **{measure: spread([f[measure] for f in figures]) for measure in (
                 "samples_per_second", "tokens_per_second", "padding_efficiency", "useful_gflops_per_second",
-                "useful_flops_vs_matmul", "seconds_to_first_step", "all_reduces_per_optimizer_step",
+                "useful_flops_vs_matmul", "model_flops_utilisation", "seconds_to_first_step",
+                "peak_gpu_memory_gib", "all_reduces_per_optimizer_step",
                 "all_reduces_per_micro_step")},
             "peak_rss_mib_per_process": [max(f["peak_rss_mib"][rank] for f in figures)
                                          for rank in range(config.processes)],
@@ -438,7 +472,8 @@ def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, 
         "train_examples": args.train_examples,
         "window": "the whole training: every example, from the first training batch to the last optimizer step",
         "matmul_gflops_per_second": spread([m / 1e9 for m in matmul]),
-        "flop_weights": weights,
+        "training_flops": flops,
+        "bf16_peak_tflops": peak / 1e12 if peak else None,
         "ratios": {name: value["median"] for name, value in ratios.items()},
         "ratio_spread": ratios,
         "ratio_per_sample_and_per_token": per_measure,
@@ -475,20 +510,22 @@ def markdown(results: dict) -> str:
     lines += [
         "",
         "| configuration | samples | real tokens | samples/s | tokens/s | padding efficiency | useful GFLOP/s | "
-        "of matmul | first step (s) | peak RSS (MiB) | all-reduces | eval F1 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "of matmul | MFU (bf16 peak) | first step (s) | peak RSS (MiB) | peak GPU memory (GiB) | all-reduces | "
+        "eval F1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, c in results["configs"].items():
         lines.append(
             f"| {name}: {c['what']} | {c['samples']} | {c['real_tokens']} | {cell(c['samples_per_second'])} | "
             f"{cell(c['tokens_per_second'])} | {c['padding_efficiency']['median']:.3f} | "
             f"{cell(c['useful_gflops_per_second'])} | {cell(c['useful_flops_vs_matmul'], 2)} | "
-            f"{cell(c['seconds_to_first_step'])} | {', '.join(map(str, c['peak_rss_mib_per_process']))} | "
+            f"{cell(c['model_flops_utilisation'], 3)} | {cell(c['seconds_to_first_step'])} | "
+            f"{', '.join(map(str, c['peak_rss_mib_per_process']))} | {cell(c['peak_gpu_memory_gib'])} | "
             f"{c['all_reduces_per_optimizer_step']['median']:g} per step, "
             f"{c['all_reduces_per_micro_step']['median']:g} per micro-step | {cell(c['eval_f1'], 3)} |"
         )
     for name, why in results["skipped"].items():
-        lines.append(f"| {name} | not run: {why} | | | | | | | | | | |")
+        lines.append(f"| {name} | not run: {why} | | | | | | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
