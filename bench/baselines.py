@@ -57,21 +57,14 @@ MAX_LENGTH, SEED = RECIPE.max_seq_length, RECIPE.seed
 
 
 class CountingCollator:
-    """Pads like ``collator_class`` and tells the probe what each batch held."""
+    """Builds batches with ``collate`` and tells the probe what each batch held."""
 
-    def __init__(self, tokenizer, collator_class=DataCollatorWithPadding):
-        self.pad = collator_class(tokenizer, return_tensors="pt") if tokenizer is not None else None
+    def __init__(self, collate):
+        self.collate = collate
         self.counting = True
 
-    @classmethod
-    def around(cls, collate) -> CountingCollator:
-        """Counting around another collator."""
-        counting = cls(None)
-        counting.pad = collate
-        return counting
-
     def __call__(self, features):
-        batch = self.pad(features)
+        batch = self.collate(features)
         if self.counting:
             probe.record_batch(batch, len(features))
         return batch
@@ -132,7 +125,7 @@ def loop_sft(train_jsonl: str, device, bf16) -> None:
     setup = recipe.SFTTask(args).setup(cfg)
     batches = GlobalBatchSampler(setup.train_set.lengths, cfg.per_device_train_batch_size, 1, seed=SEED,
                                  group_by_length=True)
-    hand_written_loop(setup.model, setup.train_set, CountingCollator.around(setup.collate), batches, device, bf16,
+    hand_written_loop(setup.model, setup.train_set, CountingCollator(setup.collate), batches, device, bf16,
                       recipe_optimizer=True, learning_rate=cfg.learning_rate)
 
 
@@ -153,7 +146,7 @@ def trainer_ner(output_dir: str, seed: int) -> None:
                              per_device_eval_batch_size=64, learning_rate=LEARNING_RATE, num_train_epochs=3,
                              weight_decay=RECIPE.weight_decay, seed=seed, bf16=torch.cuda.is_available(),
                              save_strategy="no", report_to="none", eval_strategy="epoch")
-    collate = CountingCollator(tokenizer, DataCollatorForTokenClassification)
+    collate = CountingCollator(DataCollatorForTokenClassification(tokenizer, return_tensors="pt"))
     trainer = Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
                       processing_class=tokenizer, data_collator=collate, callbacks=[EvaluationIsNotTraining(collate)])
     trainer.train()
@@ -198,7 +191,7 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str) -> None:
                       lora_dropout=lora_defaults.lora_dropout, target_modules=lora_defaults.lora_target_modules,
                       task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=default_chat_model_path(), args=args, train_dataset=pairs, peft_config=lora)
-    trainer.data_collator = CountingCollator.around(trainer.data_collator)
+    trainer.data_collator = CountingCollator(trainer.data_collator)
     trainer.train()
 
 
@@ -223,7 +216,7 @@ def main(kind: str, train_csv: str, output_dir: str, seed: str = str(SEED)) -> N
     model = AutoModelForSequenceClassification.from_pretrained(
         default_model_path(), num_labels=len(set(train["labels"]))
     )
-    collate = CountingCollator(tokenizer)
+    collate = CountingCollator(DataCollatorWithPadding(tokenizer, return_tensors="pt"))
 
     if kind.startswith("loop"):
         train = train.with_format(None).to_list()  # plain rows: what a hand-written loop indexes

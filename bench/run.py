@@ -1,9 +1,9 @@
 """The benchmark: each recipe against what users would otherwise run, side by side, same work on both sides.
 
-    python bench/run.py                          # classify: ~25 minutes on 2 CPU cores -> bench/results/latest.*
-    python bench/run.py --suite hub_push         # ~6 minutes -> bench/results/hub-push.*
-    python bench/run.py --suite token_classify   # ~8 minutes -> bench/results/token-classify.*
-    python bench/run.py --suite sft              # ~18 minutes -> bench/results/sft.*  (needs pip install -e ".[bench]")
+    python bench/run.py                          # classify: ~23 minutes on 2 CPU cores -> bench/results/latest.*
+    python bench/run.py --suite hub_push         # ~5 minutes -> bench/results/hub-push.*
+    python bench/run.py --suite token_classify   # ~9 minutes -> bench/results/token-classify.*
+    python bench/run.py --suite sft              # ~16 minutes -> bench/results/sft.*  (needs pip install -e ".[bench]")
 
 Each suite writes a JSON file with every run's raw figures, a Markdown table and a PNG chart of throughput per
 configuration (median, min-max bars).
@@ -25,7 +25,7 @@ n = 2048 float32 product (bf16 and n = 8192 on a GPU), best of 6, measured in ev
 ``GPU_BF16_PEAK`` the model FLOP utilisation divides by its data-sheet bf16 peak instead.
 
 On a CUDA machine the same command uses the GPU (bf16 autocast, NCCL for the 2-process configurations
-when there are 2 GPUs) and writes ``*-cuda.{json,md}``.
+when there are 2 GPUs) and writes ``*-cuda.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -358,7 +358,7 @@ def main() -> None:
     parser.add_argument("--results_dir", default=str(BENCH / "results"), help="Where the result files go.")
     parser.add_argument("--suite", choices=SUITES, default="training",
                         help="training: the comparisons above; hub_push: checkpoints pushed to a loopback Hub "
-                             "against the same checkpoints not pushed (about 3.5 minutes); token_classify: the "
+                             "against the same checkpoints not pushed (about 5 minutes); token_classify: the "
                              "tagging recipe against Trainer run the run_ner.py way, speed and F1; sft: the chat "
                              "recipe, packed and padded, against TRL's SFTTrainer.")
     args = parser.parse_args()
