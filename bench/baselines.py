@@ -167,10 +167,10 @@ def trainer_ner(output_dir: str, seed: int) -> None:
 
 def trl_sft(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None) -> None:
     """TRL's SFTTrainer on the chat recipe's work: the same model, conversations (prompt = system and user
-    turns, completion = the reply, so only the reply trains), LoRA settings, batch, learning rate, weight decay
-    and length limit, one epoch, no evaluation. ``trl_padding_free`` concatenates each batch as the recipe's
-    packing does, with activation checkpointing off as in the recipe; ``trl_default`` keeps TRL's defaults
-    (padded batches, activation checkpointing on)."""
+    turns, completion = the reply, so only the reply trains), LoRA settings, batch, learning rate, weight decay,
+    length limit and logging interval, one epoch, no evaluation. ``trl_padding_free`` concatenates each batch as
+    the recipe's packing does, with activation checkpointing off as in the recipe; ``trl_default`` keeps TRL's
+    defaults (padded batches, activation checkpointing on)."""
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
