@@ -23,7 +23,7 @@ from transformers import AutoModelForTokenClassification, AutoTokenizer, pipelin
 from finetune.default_tagged_tickets import TAG_NAMES, make_tagged_tickets
 from finetune.errors import run_main
 from finetune.models import default_model_path
-from finetune.tagging import entities, entity_scores
+from finetune.tagging import IGNORE, entities, entity_scores
 
 RECIPE = str(REPO / "recipes" / "token_classify.py")
 RESULT_KEYS = {"eval_precision", "eval_recall", "eval_f1", "eval_accuracy", "eval_loss", "train_loss",
@@ -249,12 +249,12 @@ def test_the_recipe_trains_first_pieces_only_unless_label_all_tokens(tagged_data
     cfg, args = recipe.parse_config(recipe.TokenClassifyArguments, flags)
     setup = recipe.TokenClassifyTask(args).setup(cfg)
     words = [json.loads(line)["tokens"] for line in Path(tagged_data[1]).read_text().splitlines()]
-    encoded = setup.tokenizer(words, is_split_into_words=True, truncation=True, max_length=48)
+    encoded = setup.tokenizer(words, is_split_into_words=True, truncation=True, max_length=cfg.max_seq_length)
     later_pieces = trained_later_pieces = 0
     for row in range(len(words)):
         word_ids, labels = encoded.word_ids(row), setup.train_set[row]["labels"]
         for position in range(1, len(word_ids)):
             if word_ids[position] is not None and word_ids[position] == word_ids[position - 1]:
                 later_pieces += 1
-                trained_later_pieces += labels[position] != -100
+                trained_later_pieces += labels[position] != IGNORE
     assert later_pieces > 50 and trained_later_pieces == (later_pieces if label_all_tokens else 0)
