@@ -29,7 +29,9 @@ from finetune.default_tagged_tickets import TAG_NAMES, make_tagged_tickets  # no
 from finetune.metrics import load_metric  # noqa: E402
 from finetune.tagging import entities  # noqa: E402
 
-RUNS = {"classify": [], "token_classify": [], "token_classify_label_all_tokens": ["--label_all_tokens"]}
+RUNS = {"classify": ("classify", []), "token_classify": ("token_classify", []),
+        "token_classify_label_all_tokens": ("token_classify", ["--label_all_tokens"])}
+"""name in the results: (recipe, flags)"""
 
 
 def launch(recipe: str, flags: list[str], output_dir: str) -> dict:
@@ -93,8 +95,7 @@ def main() -> None:
     results = {"device": f"cpu ({torch.get_num_threads()} threads)", "torch": torch.__version__,
                "classify_baseline": classify_baseline(), "token_classify_baselines": tagging_baselines()}
     with tempfile.TemporaryDirectory() as scratch:
-        for name, flags in RUNS.items():
-            recipe = name.removesuffix("_label_all_tokens")
+        for name, (recipe, flags) in RUNS.items():
             results[name] = launch(recipe, flags, f"{scratch}/{name}")
             if recipe == "token_classify":
                 results[name]["pipeline"] = pipeline_agreement(f"{scratch}/{name}")
