@@ -73,10 +73,12 @@ class Job:
         return [line for line in self.output().splitlines() if line.startswith("[slurm.sbatch")]
 
     def start_requeued_now(self) -> None:
-        """Slurm holds a requeued job about two minutes before it may start again; a test need not wait."""
+        """Slurm holds a requeued job about two minutes before it may start again; a test need not wait. A few
+        seconds it must: slurmd refuses to launch a job whose credential dates from the second it revoked the
+        last one in (seen: "Job credential revoked", the job FAILED)."""
         self.wait(lambda: (info := self.info())["JobState"] == "PENDING" and info["Restarts"] == "1", "requeue",
                   timeout=200)
-        self.scontrol("update", f"JobId={self.id}", "StartTime=now", "TimeLimit=10")
+        self.scontrol("update", f"JobId={self.id}", "StartTime=now+3", "TimeLimit=10")
 
 
 def written(folder: Path) -> dict[str, tuple[str, int]]:
