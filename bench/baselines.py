@@ -1,8 +1,9 @@
 """What the recipes are measured against: hand-written PyTorch loops, transformers' Trainer and TRL's SFTTrainer.
 
-    python bench/baselines.py KIND DATA_FILE OUT_DIR [--seed N] [--per_device_train_batch_size N]
+    python bench/baselines.py KIND DATA_FILE OUT_DIR [--seed N] [--per_device_train_batch_size N] [--eval_file F]
     (KIND: loop_random, loop_same_optimizer, trainer_default, trainer_grouped, trainer_ner, loop_sft,
-    trl_padding_free or trl_default; the batch size is the chat baselines' only, the chat recipe's by default)
+    trl_padding_free, trl_default or trl_memory; the batch size is the chat baselines' only, the chat recipe's by
+    default; trl_memory evaluates on --eval_file)
 
 The classification baselines train the same model on the same CSV for one epoch with the recipe's defaults:
 per-device batch 32, learning rate 1e-4, sequences cut at 128 tokens, each batch padded to its own longest row.
@@ -165,12 +166,14 @@ def trainer_ner(output_dir: str, seed: int) -> None:
         json.dump({"eval_f1": scores["overall_f1"]}, f)
 
 
-def trl_sft(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None) -> None:
+def trl_sft(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None, eval_jsonl: str | None) -> None:
     """TRL's SFTTrainer on the chat recipe's work: the same model, conversations (prompt = system and user
     turns, completion = the reply, so only the reply trains), LoRA settings, batch, learning rate, weight decay,
     length limit and logging interval, one epoch, no evaluation. ``trl_padding_free`` concatenates each batch as
     the recipe's packing does, with activation checkpointing off as in the recipe; ``trl_default`` keeps TRL's
-    defaults (padded batches, activation checkpointing on)."""
+    defaults (padded batches, activation checkpointing on). ``trl_memory`` is the recipe's memory comparison:
+    padded batches cut at 512 tokens, activation checkpointing off, and one evaluation of ``eval_jsonl`` at the
+    epoch's end in batches of 8, as the recipe's ``--per_device_eval_batch_size 8``."""
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
@@ -179,12 +182,17 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
     recipe = sft_recipe()
     defaults, lora_defaults = recipe.DEFAULTS, recipe.SFTArguments()
 
-    rows = datasets.load_dataset("json", data_files=train_jsonl, split="train")
-    pairs = rows.map(lambda row: {"prompt": row["messages"][:-1], "completion": row["messages"][-1:]},
-                     remove_columns=rows.column_names)
+    def prompt_and_completion(path: str) -> datasets.Dataset:
+        rows = datasets.load_dataset("json", data_files=path, split="train")
+        return rows.map(lambda row: {"prompt": row["messages"][:-1], "completion": row["messages"][-1:]},
+                        remove_columns=rows.column_names)
+
     settings = {"max_length": defaults["max_seq_length"]}
     if kind == "trl_padding_free":  # without packing TRL enforces no length limit here; these are far shorter
         settings = {"padding_free": True, "gradient_checkpointing": False, "max_length": None}
+    if kind == "trl_memory":
+        settings = {"max_length": 512, "gradient_checkpointing": False, "per_device_eval_batch_size": 8,
+                    "eval_strategy": "epoch"}
     args = SFTConfig(output_dir=output_dir,
                      per_device_train_batch_size=batch_size or defaults["per_device_train_batch_size"],
                      learning_rate=defaults["learning_rate"], weight_decay=RECIPE.weight_decay, num_train_epochs=1,
@@ -194,18 +202,21 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
     lora = LoraConfig(r=lora_defaults.lora_r, lora_alpha=lora_defaults.lora_alpha,
                       lora_dropout=lora_defaults.lora_dropout, target_modules=lora_defaults.lora_target_modules,
                       task_type="CAUSAL_LM")
-    trainer = SFTTrainer(model=default_chat_model_path(), args=args, train_dataset=pairs, peft_config=lora)
+    trainer = SFTTrainer(model=default_chat_model_path(), args=args, train_dataset=prompt_and_completion(train_jsonl),
+                         eval_dataset=prompt_and_completion(eval_jsonl) if eval_jsonl else None, peft_config=lora)
     trainer.data_collator = CountingCollator(trainer.data_collator)
+    trainer.add_callback(EvaluationIsNotTraining(trainer.data_collator))
     trainer.train()
 
 
-def main(kind: str, train_csv: str, output_dir: str, seed: int, chat_batch_size: int | None) -> None:
+def main(kind: str, train_csv: str, output_dir: str, seed: int, chat_batch_size: int | None,
+         eval_file: str | None) -> None:
     probe.install()
     if kind == "trainer_ner":
         trainer_ner(output_dir, seed)
         return
     if kind.startswith("trl_"):
-        trl_sft(kind, train_csv, output_dir, chat_batch_size)
+        trl_sft(kind, train_csv, output_dir, chat_batch_size, eval_file)
         return
     torch.manual_seed(SEED)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -263,5 +274,6 @@ if __name__ == "__main__":
     parser.add_argument("output_dir")
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--per_device_train_batch_size", type=int, default=None)
+    parser.add_argument("--eval_file", default=None)
     cli = parser.parse_args()
-    main(cli.kind, cli.data_file, cli.output_dir, cli.seed, cli.per_device_train_batch_size)
+    main(cli.kind, cli.data_file, cli.output_dir, cli.seed, cli.per_device_train_batch_size, cli.eval_file)

@@ -72,6 +72,9 @@ class Config:
     recipe_flags: list[str] = field(default_factory=list)
     recipe: str = "classify"
     """classify runs on the CSV slice of support tickets; token_classify on its own embedded default."""
+    long_chats: bool = False
+    """sft only: trains and evaluates on chats cut to ``LONG_CHAT_TOKENS`` (the memory comparison), not the
+    embedded conversations."""
 
 
 TRAINING = [
@@ -142,6 +145,18 @@ SFT_RATIOS = {  # the first two compare the CPU default (padded); the third pack
     "sft_vs_same_optimizer_loop": ("sft_padded", "loop_sft", 0.97),
 }
 SFT_FIGURES = {"sft_padding_efficiency": ("sft_padded", "padding_efficiency", 0.97)}
+LONG_CHAT_TOKENS, LONG_CHAT_TRAIN, LONG_CHAT_EVAL = 512, 16, 8
+"""The memory comparison: 2 training steps at batch 8 and one evaluation batch of 8, every row 512 tokens."""
+SFT_MEMORY = [
+    Config("sft_memory", f"sft.py, accelerate launch, padded, batch 8 x {LONG_CHAT_TOKENS} tokens, evaluation "
+           "batch 8", "accelerate", recipe="sft", long_chats=True,
+           recipe_flags=["--eval_generate", "0", "--no_packing", "--max_seq_length", str(LONG_CHAT_TOKENS),
+                         "--per_device_eval_batch_size", str(LONG_CHAT_EVAL)]),
+    Config("trl_memory", f"TRL SFTTrainer, padded, activation checkpointing off, batch 8 x {LONG_CHAT_TOKENS} "
+           "tokens, evaluation batch 8", "python", recipe="sft", long_chats=True),
+]
+# peak memory ratio: (numerator configuration, denominator configuration, target): at most the target
+SFT_MEMORY_RATIOS = {"sft_peak_memory_vs_trl": ("sft_memory", "trl_memory", 1.0)}
 SEEDED_SUITES = {"token_classify"}
 """Suites whose repeats each train with another seed on both sides (42, 43, ...): their F1 is compared, and one
 seed's F1 varies more than the tolerance (0.973 to 0.984 for the tagging recipe's seeds 42 to 46)."""
@@ -151,8 +166,10 @@ SUITES = {  # name: (configurations, ratios, figures, differences, results file,
     "token_classify": (TOKEN_CLASSIFY, TOKEN_CLASSIFY_RATIOS, {}, TOKEN_CLASSIFY_DIFFERENCES, "token-classify",
                        "samples_per_second"),
     # Conversations differ in length and the two sides batch them in different orders: tokens per second.
-    "sft": (SFT, SFT_RATIOS, SFT_FIGURES, {}, "sft", "tokens_per_second"),
+    "sft": (SFT + SFT_MEMORY, SFT_RATIOS, SFT_FIGURES, {}, "sft", "tokens_per_second"),
 }
+MEMORY_RATIOS = {"sft": SFT_MEMORY_RATIOS}
+"""Per suite: peak memory per process (resident on a CPU, allocated on a GPU), the most of any process."""
 
 
 def free_port() -> int:
@@ -191,13 +208,35 @@ def write_chat_data(folder: Path, train_examples: int, eval_examples: int) -> tu
     return paths[0], paths[1]
 
 
+def write_long_chat_data(folder: Path, train_examples: int, eval_examples: int) -> tuple[Path, Path]:
+    """Chats longer than ``LONG_CHAT_TOKENS`` (518 to 612 tokens) as jsonl files both sides read: the system
+    turn, then 14 of the embedded conversations' tickets as one user turn and their replies as one reply."""
+    from finetune.default_chat import make_support_conversations
+
+    conversations = make_support_conversations()["train"]["messages"]
+    paths = []
+    for split, count, first in (("train", train_examples, 0), ("validation", eval_examples, train_examples)):
+        rows = []
+        for chat in range(first, first + count):
+            parts = [conversations[(chat * 14 + i) % len(conversations)] for i in range(14)]
+            rows.append({"messages": [parts[0][0], *({"role": role, "content": "\n\n".join(
+                turn["content"] for part in parts for turn in part if turn["role"] == role)}
+                for role in ("user", "assistant"))]})
+        path = folder / f"long-{split}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        paths.append(path)
+    return paths[0], paths[1]
+
+
 def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, gpus: int, seed: int | None,
             batch_size: int | None) -> list[str]:
     shared = ["--seed", str(seed)] if seed is not None else []
     if batch_size:
         shared += ["--per_device_train_batch_size", str(batch_size)]
     if config.launcher == "python":
-        return [sys.executable, str(BENCH / "baselines.py"), config.name, str(train_csv), str(output_dir), *shared]
+        evaluation = ["--eval_file", str(eval_csv)] if config.long_chats else []
+        return [sys.executable, str(BENCH / "baselines.py"), config.name, str(train_csv), str(output_dir), *shared,
+                *evaluation]
     if config.recipe in ("classify", "sft"):
         recipe_flags = ["--train_file", str(train_csv), "--validation_file", str(eval_csv), "--num_train_epochs", "1"]
     else:
@@ -395,6 +434,7 @@ def main() -> None:
         scratch = Path(scratch_name)
         data = (write_chat_data(scratch, args.train_examples, 8) if args.suite == "sft"
                 else write_data(scratch, args.train_examples, 64))
+        long_chats = write_long_chat_data(scratch, LONG_CHAT_TRAIN, LONG_CHAT_EVAL) if args.suite == "sft" else None
         hub = None
         if any("--push_to_hub" in c.recipe_flags for c in configs):
             urls = multiprocessing.get_context("spawn").Queue()
@@ -408,7 +448,8 @@ def main() -> None:
                 order = configs[repeat % len(configs):] + configs[:repeat % len(configs)]
                 seed = 42 + repeat if args.suite in SEEDED_SUITES else None
                 for config in order:
-                    run = run_config(config, data, scratch, env, gpus, seed, args.per_device_train_batch_size)
+                    run = run_config(config, long_chats if config.long_chats else data, scratch, env, gpus, seed,
+                                     None if config.long_chats else args.per_device_train_batch_size)
                     runs[config.name].append(summarize(config, run, flops, matmul[-1], peak))
                     latest = runs[config.name][-1]
                     print(f"[{repeat + 1}/{args.repeats}] {config.name:<20} {latest['samples_per_second']:7.1f} "
@@ -420,7 +461,7 @@ def main() -> None:
                 hub.terminate()
 
     results = collect(configs, ratios, figures, differences, runs, matmul, flops, peak, args, device, skipped,
-                      throughput)
+                      throughput, MEMORY_RATIOS.get(args.suite, {}))
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_name += "-cuda" if gpus else ""
@@ -431,9 +472,9 @@ def main() -> None:
 
 
 def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, flops, peak, args, device,
-            skipped, throughput="samples_per_second") -> dict:
+            skipped, throughput="samples_per_second", memory_specs=None) -> dict:
     repeats = args.repeats
-    ratios, per_measure, checks = {}, {}, {}
+    ratios, per_measure, checks, ceilings = {}, {}, {}, {}
     for name, (first, second, measure, target) in difference_specs.items():
         # Medians over the seeds of each side, then their difference: the seeds pair no two runs.
         median_gap = (statistics.median(r[measure] for r in runs[first])
@@ -451,6 +492,14 @@ def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, 
     for name, (config, measure, target) in figure_specs.items():
         ratios[name] = spread([r[measure] for r in runs[config]])
         checks[name] = target
+
+    def peak_memory(run: dict) -> float:
+        return run["peak_gpu_memory_gib"] if device.type == "cuda" else max(run["peak_rss_mib"])
+
+    for name, (numerator, denominator, target) in (memory_specs or {}).items():
+        ratios[name] = spread([peak_memory(runs[numerator][i]) / peak_memory(runs[denominator][i])
+                               for i in range(repeats)])
+        ceilings[name] = target
     per_config = {}
     for config in configs:
         figures = runs[config.name]
@@ -487,8 +536,10 @@ def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, 
         "ratios": {name: value["median"] for name, value in ratios.items()},
         "ratio_spread": ratios,
         "ratio_per_sample_and_per_token": per_measure,
-        "targets": {name: {"at_least": target, "met": ratios[name]["median"] >= target}
-                    for name, target in checks.items()},
+        "targets": {**{name: {"at_least": target, "met": ratios[name]["median"] >= target}
+                       for name, target in checks.items()},
+                    **{name: {"at_most": target, "met": ratios[name]["median"] <= target}
+                       for name, target in ceilings.items()}},
         "skipped": {name: "needs 2 GPUs" for name in skipped},
         "configs": per_config,
     }
@@ -516,9 +567,14 @@ def markdown(results: dict) -> str:
     ]
     for name, target in results["targets"].items():
         both = results["ratio_per_sample_and_per_token"].get(name, {})
+        bound = f">= {target['at_least']}" if "at_least" in target else f"<= {target['at_most']}"
         lines.append(f"| {name} | {cell(results['ratio_spread'][name], 3)} | "
                      f"{cell(both.get('samples_per_second'), 3)} | {cell(both.get('tokens_per_second'), 3)} | "
-                     f">= {target['at_least']} | {'yes' if target['met'] else 'NO'} |")
+                     f"{bound} | {'yes' if target['met'] else 'NO'} |")
+    memory = [name for name, target in results["targets"].items() if "at_most" in target]
+    if memory:
+        lines += ["", f"{', '.join(memory)}: peak memory per process (resident on a CPU, allocated on a GPU), the "
+                      "most of any process, not throughput."]
     lines += [
         "",
         "| configuration | samples | real tokens | samples/s | tokens/s | padding efficiency | useful GFLOP/s | "

@@ -5,11 +5,13 @@
 As on a fresh machine, the run starts with an empty ``HF_HOME``: first the one-time conversion of the GGUF
 weights (timed on its own), then the base model is evaluated exactly as the recipe evaluates (the task's own
 loss and greedy replies, all 48 validation conversations in one batch), then the default run is launched as
-the README launches it, and its ``all_results.json`` and wall time are recorded beside the base model's.
+the README launches it, under ``bench/probe.py`` for its peak resident memory, and its ``all_results.json``,
+wall time and peak are recorded beside the base model's.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -38,7 +40,7 @@ def base_model_metrics() -> dict:
     return {f"eval_{name}": value for name, value in metrics.items()}
 
 
-def main() -> None:
+def main(results_file: Path) -> None:
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as scratch:
         os.environ["HF_HOME"] = f"{scratch}/hf-home"  # nothing converted yet, as on a fresh machine
@@ -48,18 +50,24 @@ def main() -> None:
         conversion = time.perf_counter() - start
         base = base_model_metrics()
         print("base model:", json.dumps(base), flush=True)
+        reports = Path(scratch, "reports")
+        reports.mkdir()
         start = time.perf_counter()
         subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
-                        str(REPO / "recipes" / "sft.py"), "--output_dir", f"{scratch}/out"], cwd=REPO, check=True)
+                        str(REPO / "bench" / "probe.py"), str(REPO / "recipes" / "sft.py"), "--output_dir",
+                        f"{scratch}/out"], cwd=REPO, check=True,
+                       env={**os.environ, "BENCH_REPORT_DIR": str(reports), "BENCH_LAUNCHED_AT": repr(time.time())})
         wall = time.perf_counter() - start
         tuned = json.loads(Path(scratch, "out", "all_results.json").read_text())
+        peak = json.loads((reports / "rank0.json").read_text())["peak_rss_mib"]
     results = {"device": f"cpu ({torch.get_num_threads()} threads)", "torch": torch.__version__,
                "conversion_seconds": conversion, "base_model": base, "default_run": tuned,
-               "default_run_wall_seconds": wall}
-    out = REPO / "bench" / "results" / "sft-default.json"
-    out.write_text(json.dumps(results, indent=2) + "\n")
+               "default_run_wall_seconds": wall, "default_run_peak_rss_mib": round(peak)}
+    results_file.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results_file", type=Path, default=REPO / "bench" / "results" / "sft-default.json")
+    main(parser.parse_args().results_file)

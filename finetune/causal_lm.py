@@ -1,13 +1,48 @@
-"""Causal language models in the loop: packed or padded batches, per-token losses, greedy replies."""
+"""Causal language models in the loop: packed or padded batches, label log-probabilities computed in chunks of
+positions, evaluation and greedy replies within a token budget.
+
+The output layer (``model.get_output_embeddings()``) is never applied to a whole batch at once: the model's
+forward runs with it projecting no position, and the log-probabilities of the labels are computed from its input
+(the last hidden states) a chunk of positions at a time, each chunk's logits recomputed in the backward pass
+instead of kept. A batch of B rows of T tokens then holds one chunk's float32 logits, not B x T x vocabulary.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 import transformers
+from torch.utils.checkpoint import checkpoint
 
 from finetune.chat import IGNORE
+from finetune.config import arg
+from finetune.ddp import unwrap
+from finetune.errors import UserError
 
-__all__ = ["greedy_replies", "language_model_collators", "token_losses"]
+__all__ = ["CausalLMArguments", "check_output_layer", "greedy_replies", "label_log_probs",
+           "language_model_collators", "split_by_tokens", "summed_log_probs"]
+
+LOGITS_PER_CHUNK = 2**24
+"""Logits computed at once (64 MiB in float32): a chunk holds ``LOGITS_PER_CHUNK // vocabulary`` positions."""
+
+
+@dataclass
+class CausalLMArguments:
+    """Options of every causal-LM recipe (chat, preference tuning); a recipe's own dataclass inherits them."""
+
+    per_device_eval_max_tokens: int = arg(
+        16384, "Most tokens in one evaluation forward pass on each process: rows x their longest row (for replies "
+               "with --eval_generate, rows x (longest prompt + --max_new_tokens)). An evaluation batch of "
+               "--per_device_eval_batch_size rows runs in as many passes as that takes; a longer row runs alone. "
+               "Results do not depend on it.")
+
+    def __post_init__(self):
+        if self.per_device_eval_max_tokens < 1:
+            raise UserError(f"--per_device_eval_max_tokens is {self.per_device_eval_max_tokens}; it must be a "
+                            "positive whole number")
 
 
 def language_model_collators(tokenizer, packing: bool | None) -> tuple:
@@ -29,37 +64,150 @@ def language_model_collators(tokenizer, packing: bool | None) -> tuple:
     return train, padded, packed, flash
 
 
-def token_losses(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(losses, labels)``: each position's next-token cross-entropy (float32) and its label, shifted so that
-    both are ``[batch, length - 1]``; positions labelled ``IGNORE`` have loss 0. ``batch`` loses its labels."""
-    # The labels move one to the left instead of the logits: the cross-entropy then runs over the contiguous
-    # vocabulary dimension of the model's own logits (over a strided one it is much slower: bench/levers.py).
-    next_labels = torch.nn.functional.pad(batch.pop("labels")[:, 1:], (0, 1), value=IGNORE)
-    # No KV cache: with one, transformers skips the mask that keeps packed examples apart.
-    logits = model(**batch, use_cache=False).logits
-    losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), next_labels.flatten(), reduction="none",
-                                               ignore_index=IGNORE).view_as(next_labels)
-    return losses[:, :-1], next_labels[:, :-1]
+def label_log_probs(model, batch: dict, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_probs, labels)``, both ``[batch, length - 1]``: each position's float32 log-probability of the next
+    token's label, and that label; positions labelled ``IGNORE`` have log-probability 0. ``batch`` loses its
+    labels.
+
+    ``model`` may be wrapped (DDP): its own forward runs, so that DDP's gradient hooks work; its output layer is
+    then applied to the labelled positions only, ``chunk_size`` of them at a time (default: as many as hold
+    ``LOGITS_PER_CHUNK`` logits), each chunk's logits recomputed in the backward pass instead of kept.
+    """
+    next_labels = batch.pop("labels")[:, 1:]
+    inner = unwrap(model)
+    head = inner.get_output_embeddings()
+    with _output_layer_input(head) as seen:
+        # No KV cache: with one, transformers skips the mask that keeps packed examples apart.
+        model(**batch, use_cache=False)
+    if "hidden" not in seen:
+        raise UserError(f"{type(inner).__name__} never calls its output layer (get_output_embeddings()) in its "
+                        "forward; the chat recipes need a model that does")
+    labelled = next_labels != IGNORE
+    hidden, targets = seen["hidden"][:, :-1][labelled], next_labels[labelled]
+    device_type, dtype, autocast = seen["autocast"]
+    transform = _logit_transform(inner.config.get_text_config())
+
+    def log_probs_of(positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type, dtype=dtype, enabled=autocast):  # as the model's forward applies its head
+            logits = head(positions)
+        return -torch.nn.functional.cross_entropy(transform(logits.float()), labels, reduction="none")
+
+    size = chunk_size or max(1, LOGITS_PER_CHUNK // head.weight.shape[0])
+    chunks = zip(hidden.split(size), targets.split(size), strict=True)
+    if torch.is_grad_enabled():
+        pieces = [checkpoint(log_probs_of, h, y, use_reentrant=False) for h, y in chunks]
+    else:
+        pieces = [log_probs_of(h, y) for h, y in chunks]
+    # masked_scatter keeps the result connected to the model even when no position is labelled.
+    log_probs = next_labels.new_zeros(next_labels.shape, dtype=torch.float32).masked_scatter(
+        labelled, torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32))
+    return log_probs, next_labels
 
 
-def greedy_replies(model, index: torch.Tensor, prompts: list[list[int]], tokenizer, max_new_tokens: int
-                   ) -> torch.Tensor:
+@contextlib.contextmanager
+def _output_layer_input(head: torch.nn.Module) -> Iterator[dict]:
+    """While open, ``head`` projects no position: what it is given (the last hidden states) and the autocast
+    state it runs under are noted in the dict yielded instead."""
+    seen = {}
+
+    def note_and_skip(module, args):
+        hidden, *rest = args
+        device_type = hidden.device.type
+        seen["hidden"] = hidden
+        seen["autocast"] = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
+        return hidden[..., :0, :], *rest
+
+    handle = head.register_forward_pre_hook(note_and_skip)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+UNREPRODUCED_LOGIT_FACTORS = ("logits_scaling", "lm_head_multiplier", "output_multiplier")
+"""Configuration fields by which some models (Granite, Falcon-H1, ...) scale their logits in their forward."""
+
+
+def _logit_transform(config):
+    """What the model's forward does to its output layer's logits: Cohere's scale, Gemma's soft cap.
+
+    Raises ``UserError`` for a model that scales them otherwise (``UNREPRODUCED_LOGIT_FACTORS``)."""
+    factors = [name for name in UNREPRODUCED_LOGIT_FACTORS if getattr(config, name, None) not in (None, 1, 1.0)]
+    if factors:
+        raise UserError(f"{config.model_type} models scale their logits by {', '.join(factors)}, which the chat "
+                        "recipes' chunked log-probabilities do not reproduce; use another model")
+    scale = getattr(config, "logit_scale", None)
+    cap = getattr(config, "final_logit_softcapping", None)
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        if scale is not None:
+            logits = logits * scale
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return transform
+
+
+def check_output_layer(model) -> None:
+    """Raise ``UserError`` for a model whose log-probabilities ``label_log_probs`` cannot compute: one without an
+    output layer, or one that scales its logits in a way ``_logit_transform`` does not know."""
+    if model.get_output_embeddings() is None:
+        raise UserError(f"{type(model).__name__} has no output layer (get_output_embeddings()); the chat recipes "
+                        "need a causal language model")
+    _logit_transform(model.config.get_text_config())
+
+
+def split_by_tokens(batch: dict, max_tokens: int) -> Iterator[dict]:
+    """Consecutive rows of a padded ``batch`` in groups whose rows x longest row stays within ``max_tokens`` (a
+    longer row alone), each without the padding columns no row of the group needs."""
+    mask = batch["attention_mask"]
+    for rows in _token_budget_groups(mask.sum(1).tolist(), max_tokens):
+        used = mask[rows].any(0)
+        yield {key: values[rows][:, used] if values.dim() == 2 else values[rows] for key, values in batch.items()}
+
+
+def _token_budget_groups(lengths: list[int], max_tokens: int) -> list[slice]:
+    """Consecutive index ranges whose size x longest length stays within ``max_tokens``, or single indices."""
+    groups, start, longest = [], 0, 0
+    for end, length in enumerate(lengths):
+        if end > start and (end + 1 - start) * max(longest, length) > max_tokens:
+            groups.append(slice(start, end))
+            start, longest = end, 0
+        longest = max(longest, length)
+    return [*groups, slice(start, len(lengths))] if lengths else groups
+
+
+def summed_log_probs(model, batch: dict, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sums, counts)``: each row's label log-probabilities summed (float32) and how many labels it has, over
+    forward passes of at most ``max_tokens`` tokens (``split_by_tokens``). For evaluation, under ``no_grad``."""
+    sums, counts = [], []
+    for part in split_by_tokens(batch, max_tokens):
+        log_probs, labels = label_log_probs(model, part)
+        sums.append(log_probs.sum(1))
+        counts.append((labels != IGNORE).sum(1))
+    return torch.cat(sums), torch.cat(counts)
+
+
+def greedy_replies(model, index: torch.Tensor, prompts: list[list[int]], tokenizer, max_new_tokens: int,
+                   max_tokens: int) -> torch.Tensor:
     """Greedy replies for an evaluation batch whose rows are dataset examples ``index``: ``[len(index), L]``.
 
     Example ``i`` gets a reply when ``i < len(prompts)`` (``prompts[i]``, token ids); every other row, and each
-    reply from its end-of-turn token on, is ``IGNORE``. The prompts are left-padded into one batch.
+    reply from its end-of-turn token on, is ``IGNORE``. The prompts are left-padded into batches of at most
+    ``max_tokens`` tokens, counting each row's ``max_new_tokens`` (a longer row alone).
     """
     wanted = [(row, i) for row, i in enumerate(index.tolist()) if i < len(prompts)]
-    if not wanted:
-        return torch.full((len(index), 1), IGNORE, device=index.device)
-    longest = max(len(prompts[i]) for _, i in wanted)
     pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (longest - len(prompts[i])) + prompts[i] for _, i in wanted], device=index.device)
-    mask = torch.tensor([[0] * (longest - len(prompts[i])) + [1] * len(prompts[i]) for _, i in wanted],
-                        device=index.device)
-    generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                               pad_token_id=pad)[:, longest:]
-    replies = torch.full((len(index), generated.shape[1]), IGNORE, device=index.device)
-    replies[[row for row, _ in wanted]] = generated.masked_fill((generated == tokenizer.eos_token_id).cumsum(1) > 0,
-                                                                IGNORE)
+    replies = torch.full((len(index), max_new_tokens), IGNORE, device=index.device)
+    for group in _token_budget_groups([len(prompts[i]) + max_new_tokens for _, i in wanted], max_tokens):
+        rows, examples = zip(*wanted[group], strict=True)
+        longest = max(len(prompts[i]) for i in examples)
+        ids = torch.tensor([[pad] * (longest - len(prompts[i])) + prompts[i] for i in examples], device=index.device)
+        mask = torch.tensor([[0] * (longest - len(prompts[i])) + [1] * len(prompts[i]) for i in examples],
+                            device=index.device)
+        generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                   do_sample=False, pad_token_id=pad)[:, longest:]
+        replies[list(rows), :generated.shape[1]] = generated.masked_fill(
+            (generated == tokenizer.eos_token_id).cumsum(1) > 0, IGNORE)
     return replies

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 
 import transformers
 
-from finetune.causal_lm import greedy_replies, language_model_collators, token_losses
+from finetune.causal_lm import (
+    CausalLMArguments,
+    check_output_layer,
+    greedy_replies,
+    label_log_probs,
+    language_model_collators,
+    summed_log_probs,
+)
 from finetune.chat import (
     IGNORE,
     generation_prompts,
@@ -44,7 +51,7 @@ DEFAULTS = {"output_dir": "outputs/sft", "num_train_epochs": 2, "learning_rate":
 
 
 @dataclass
-class SFTArguments:
+class SFTArguments(CausalLMArguments):
     packing: bool | None = arg(None, "Concatenate each micro-batch's examples into one row with no padding, "
                                      "attention kept within each example; --no_packing pads batches grouped by "
                                      "length. Default: packed where flash-attention's variable-length kernels run "
@@ -95,6 +102,7 @@ class SFTTask:
                                 **({"attn_implementation": "flash_attention_2"} if flash else {}))
         if args.use_lora:
             model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+        check_output_layer(model)
         return TaskSetup(train_set, eval_set, collate, model, self.tokenizer, eval_collate=eval_collate,
                          data_source=source,
                          summary=f"{sum(train_set.loss_units)} trained tokens, {'packed' if packed else 'padded'} "
@@ -102,14 +110,14 @@ class SFTTask:
                                               if args.use_lora else ""))
 
     def loss(self, model, batch):
-        return token_losses(model, batch)[0].sum()
+        return -label_log_probs(model, batch)[0].sum()
 
     def eval_outputs(self, model, batch):
         index = batch.pop("index")
-        losses, labels = token_losses(model, batch)
+        log_probs, units = summed_log_probs(model, batch, self.args.per_device_eval_max_tokens)
         replies = greedy_replies(model, index, [p.token_ids for p in self.prompts], self.tokenizer,
-                                 self.args.max_new_tokens)
-        return losses.sum(1), (labels != IGNORE).sum(1), replies
+                                 self.args.max_new_tokens, self.args.per_device_eval_max_tokens)
+        return -log_probs, units, replies
 
     def metrics(self, outputs):
         losses, units, replies = outputs

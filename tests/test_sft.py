@@ -200,6 +200,16 @@ def test_generations_are_the_saved_model_s_greedy_replies(tiny_model, chat_files
         assert tokenizer.decode(reply, skip_special_tokens=True) == row["generation"]
 
 
+def test_evaluation_is_the_same_one_row_per_pass_as_with_the_default_batching(tiny_model, chat_files, tmp_path):
+    flags = ["--max_train_steps", "1", "--eval_generate", "4"]
+    run_tiny(tmp_path / "default", tiny_model, chat_files, *flags, "--per_device_eval_batch_size", "64")
+    run_tiny(tmp_path / "one", tiny_model, chat_files, *flags, "--per_device_eval_max_tokens", "1")
+    default, one = read_results(tmp_path / "default"), read_results(tmp_path / "one")
+    assert one["eval_loss"] == pytest.approx(default["eval_loss"], rel=0, abs=1e-6)
+    generations = [read_jsonl(tmp_path / name / "eval_generations.jsonl") for name in ("default", "one")]
+    assert len(generations[0]) == 4 and generations[0] == generations[1]
+
+
 def test_without_lora_every_weight_trains_and_a_plain_model_is_saved(tiny_model, chat_files, tmp_path):
     out = tmp_path / "out"
     result = run_tiny(out, tiny_model, chat_files, "--no_use_lora", "--no_packing", "--max_train_steps", "2",
@@ -269,6 +279,8 @@ BAD = {
                                        "attn_proj"),
     "a chat template file that is not there": (None, None, "--chat_template nowhere.jinja: no such file",
                                                "--chat_template", "nowhere.jinja"),
+    "no evaluation token budget": (None, None, "--per_device_eval_max_tokens is 0; it must be a positive",
+                                   "--per_device_eval_max_tokens", "0"),
 }
 
 

@@ -1,0 +1,168 @@
+"""Label log-probabilities in chunks of positions, evaluation and replies within a token budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig
+
+from finetune.causal_lm import (
+    check_output_layer,
+    greedy_replies,
+    label_log_probs,
+    split_by_tokens,
+    summed_log_probs,
+)
+from finetune.chat import IGNORE
+from finetune.errors import UserError
+from finetune.lora import add_lora
+
+VOCAB = 500
+SIZES = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 7}
+
+
+def tiny(config_class=LlamaConfig, **extra):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config_class(**SIZES, **extra)).eval()
+
+
+def padded_batch(lengths=(11, 4, 8, 12, 6), prompt=3) -> dict:
+    """Right-padded rows whose first ``prompt`` tokens (and the padding) are not labelled."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (len(lengths), max(lengths)), generator=generator)
+    mask = (torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]).long()
+    labels = ids.masked_fill(mask == 0, IGNORE)
+    labels[:, :prompt] = IGNORE
+    return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
+
+
+def whole_batch_log_probs(model, batch: dict) -> torch.Tensor:
+    """The log-probabilities from the model's own logits over the whole batch (what the chunks replace)."""
+    labels = batch["labels"][:, 1:]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    log_probs = -torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none",
+                                                   ignore_index=IGNORE)
+    return log_probs.view_as(labels)
+
+
+@pytest.mark.parametrize("kind", ["tied embeddings, every weight trains", "separate output layer", "LoRA"])
+def test_chunked_log_probs_and_their_gradients_equal_the_whole_batch_s(kind):
+    model = tiny(tie_word_embeddings=kind != "separate output layer")
+    if kind == "LoRA":
+        model = add_lora(model, 4, 8, 0.0, "all-linear")
+        for name, weight in model.named_parameters():  # adapters that change the model, as after some training
+            if "lora_B" in name:
+                torch.nn.init.normal_(weight, std=0.02)
+    batch = padded_batch()
+    # Weighted per token and per row, as a preference loss weighs replies: any weighting is exact.
+    weights = torch.rand(batch["labels"][:, 1:].shape, generator=torch.Generator().manual_seed(2)) - 0.5
+
+    expected = whole_batch_log_probs(model, batch)
+    (expected * weights).sum().backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    log_probs, labels = label_log_probs(model, dict(batch), chunk_size=7)  # 4 chunks of the 26 labelled positions
+    (log_probs * weights).sum().backward()
+
+    assert torch.equal(labels, batch["labels"][:, 1:]) and log_probs.dtype == torch.float32
+    assert (labels != IGNORE).sum() == 26 and torch.all(log_probs[labels == IGNORE] == 0)
+    torch.testing.assert_close(log_probs, expected, rtol=0, atol=1e-6)
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == expected_grads.keys() and len(grads) > 4
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=0, atol=1e-6,
+                                   msg=lambda message, name=name: f"{name}: {message}")
+
+
+def test_no_tensor_of_vocabulary_width_is_kept_for_the_backward_pass():
+    """Each chunk's logits are recomputed in the backward pass: only the whole-batch way keeps logits."""
+    model = tiny()
+    parameters = {p.data_ptr() for p in model.parameters()}
+
+    def kept_widths(compute) -> set:
+        widths = set()
+
+        def pack(tensor):
+            if tensor.data_ptr() not in parameters:
+                widths.add(tensor.shape[-1] if tensor.dim() else 0)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            compute(model, padded_batch())
+        return widths
+
+    assert VOCAB not in kept_widths(lambda m, b: label_log_probs(m, b, chunk_size=7))
+    assert VOCAB in kept_widths(whole_batch_log_probs)
+
+
+def test_a_packed_row_gives_the_log_probs_of_its_examples_alone():
+    model = tiny()
+    batch = padded_batch(lengths=(7, 5))
+    rows = [{k: v[i:i + 1, :n] for k, v in batch.items()} for i, n in enumerate((7, 5))]
+    labels = torch.cat([rows[0]["labels"], rows[1]["labels"]], 1)
+    labels[0, 7] = IGNORE  # the collator's separator: no example predicts another's first token
+    packed = {"input_ids": torch.cat([r["input_ids"] for r in rows], 1), "labels": labels,
+              "position_ids": torch.cat([torch.arange(7), torch.arange(5)])[None]}
+    with torch.no_grad():
+        ours = label_log_probs(model, packed)[0]
+        alone = [label_log_probs(model, dict(row))[0] for row in rows]
+    torch.testing.assert_close(ours[0, :6], alone[0][0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours[0, 7:], alone[1][0], rtol=0, atol=1e-5)
+    assert ours[0, 6] == 0
+
+
+@pytest.mark.parametrize("config_class, field", [(Gemma2Config, "final_logit_softcapping"),
+                                                 (CohereConfig, "logit_scale")])
+def test_models_that_change_their_logits_get_their_own_log_probs(config_class, field):
+    model = tiny(config_class, **{field: 0.5})
+    check_output_layer(model)
+    batch = padded_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(label_log_probs(model, dict(batch), chunk_size=7)[0],
+                                   whole_batch_log_probs(model, batch), rtol=0, atol=1e-6)
+
+
+def test_a_model_that_scales_its_logits_otherwise_is_refused():
+    with pytest.raises(UserError, match="granite models scale their logits by logits_scaling"):
+        check_output_layer(tiny(GraniteConfig, logits_scaling=4.0))
+
+
+def test_evaluation_is_the_same_whatever_the_token_budget():
+    model = tiny()
+    batch = padded_batch()
+    lengths = batch["attention_mask"].sum(1).tolist()
+    for budget in (1, 24, 40, 10_000):
+        parts = list(split_by_tokens(batch, budget))
+        assert sum(len(p["input_ids"]) for p in parts) == len(lengths)
+        for part in parts:  # within the budget, or one row alone, and no column that only pads
+            assert part["input_ids"].numel() <= budget or len(part["input_ids"]) == 1
+            assert part["attention_mask"][:, -1].any()
+    assert [len(p["input_ids"]) for p in split_by_tokens(batch, 24)] == [2, 2, 1]  # 2 x 11, 2 x 12, 1 x 6
+    with torch.no_grad():
+        expected = whole_batch_log_probs(model, batch)
+        for budget in (1, 24, 10_000):
+            sums, counts = summed_log_probs(model, batch, budget)
+            torch.testing.assert_close(sums, expected.sum(1), rtol=0, atol=1e-6)
+            assert counts.tolist() == [n - 3 for n in lengths]
+
+
+class Tokenizer:
+    pad_token_id, eos_token_id = 0, 7
+
+
+def test_greedy_replies_are_the_same_whatever_the_token_budget():
+    model = tiny(initializer_range=0.2)  # weights far from 0 keep the greedy choice clear of near-ties
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(8, VOCAB, (n,), generator=generator).tolist() for n in (5, 9, 3, 6)]
+    index = torch.tensor([2, 0, 4, 1, 3])  # example 4 has no prompt: no reply
+    with torch.no_grad():
+        alone = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p):]
+                 for p in prompts]
+        for budget in (1, 24, 10_000):
+            replies = greedy_replies(model, index, prompts, Tokenizer(), 6, budget)
+            assert replies.shape == (5, 6) and torch.all(replies[2] == IGNORE)
+            for row, i in ((0, 2), (1, 0), (3, 1), (4, 3)):
+                reply = alone[i].masked_fill((alone[i] == Tokenizer.eos_token_id).cumsum(0) > 0, IGNORE).tolist()
+                assert replies[row].tolist() == reply + [IGNORE] * (6 - len(reply)), (budget, row)
