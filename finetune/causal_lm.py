@@ -98,9 +98,9 @@ def label_log_probs(model, batch: dict, chunk_size: int | None = None) -> tuple[
         pieces = [checkpoint(log_probs_of, h, y, use_reentrant=False) for h, y in chunks]
     else:
         pieces = [log_probs_of(h, y) for h, y in chunks]
-    # masked_scatter keeps the result connected to the model even when no position is labelled.
-    log_probs = next_labels.new_zeros(next_labels.shape, dtype=torch.float32).masked_scatter(
-        labelled, torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32))
+    # With no position labelled, one empty chunk still connects the result to the model (backward works).
+    log_probs = next_labels.new_zeros(next_labels.shape, dtype=torch.float32).masked_scatter(labelled,
+                                                                                           torch.cat(pieces))
     return log_probs, next_labels
 
 
