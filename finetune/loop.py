@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,15 +27,19 @@ from transformers import get_scheduler, set_seed
 
 from finetune.batching import GlobalBatchSampler
 from finetune.checkpoint import (
+    LOG_HISTORY,
     Progress,
     check_output_dir,
     check_unwrapped,
     checkpoint_path,
+    clear_output_dir,
     disk_write_failure,
     find_latest_checkpoint,
+    launch_id,
     output_dir_lock,
     read_progress,
     resolve_resume_checkpoint,
+    write_final_model,
 )
 from finetune.config import TrainConfig
 from finetune.ddp import pad_second_dim
@@ -64,25 +70,18 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
     """
     # -- where the run starts: a fresh output folder, or a checkpoint to continue from
     env = LaunchEnvironment.read()
-    resume_spec = cfg.resume_from_checkpoint
-    if (env.restart_count or env.requeue_count) and find_latest_checkpoint(cfg.output_dir):
-        # torchrun restarted the workers after a failure, or Slurm requeued the job: continue from the newest
-        # checkpoint it wrote, not from the start or from an older --resume_from_checkpoint again.
-        resume_spec = "latest"
-    if resume_spec and resume_spec.startswith("hub:"):
-        resume_spec = str(download_last_checkpoint(resume_spec, cfg.hub_revision, cfg.hub_token))
-    resume_from = resolve_resume_checkpoint(resume_spec, cfg.output_dir)
+    launch = launch_id(env)
+    resume_from, newest_in_folder = _starting_checkpoint(cfg, env, launch)
 
     # The main process holds the output folder for the whole run (another run there is refused); a stop
     # signal from now on is noted, not obeyed at once: the loop saves at its next optimizer step.
     with contextlib.ExitStack() as closing:
         if env.rank == 0:
             closing.enter_context(output_dir_lock(cfg.output_dir))
-        check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resuming=resume_from is not None,
-                         remove=env.rank == 0)
+        check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
         stop = closing.enter_context(StopSignals())
         runtime = closing.enter_context(make_runtime(cfg, _tracker_settings(task, cfg, task_options)))
-        if resume_spec == "latest":
+        if newest_in_folder:
             resume_from = _main_process_choice(runtime, resume_from, cfg.output_dir)
         set_seed(cfg.seed)
         hub = HubPusher(enabled=cfg.push_to_hub and runtime.is_main_process, output_dir=cfg.output_dir,
@@ -110,8 +109,9 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         model, optimizer, scheduler, train_loader, eval_loader = runtime.prepare(
             setup.model, optimizer, scheduler, train_loader, eval_loader)
 
-        # -- resume: weights, optimizer, schedule, RNG and the position in the epoch
-        progress = Progress(world_size=runtime.world_size, runtime=runtime.name, seed=cfg.seed)
+        # -- resume: weights, optimizer, schedule, RNG and the position in the epoch (a fresh run gets an identity
+        # of its own, which only the main process records)
+        progress = Progress(world_size=runtime.world_size, runtime=runtime.name, seed=cfg.seed, run_id=uuid.uuid4().hex)
         if resume_from:
             progress = read_progress(resume_from)
             if progress.world_size != runtime.world_size:
@@ -120,6 +120,9 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                     f"{runtime.world_size}; the data order depends on it, so resume with {progress.world_size}")
             runtime.load_state(resume_from)
             runtime.print(f"resumed from {resume_from} at step {progress.global_step}")
+        progress.launch_id = launch
+        if runtime.is_main_process:  # only now that the run has all it needs may it remove what it replaces
+            clear_output_dir(cfg.output_dir, progress, cfg.overwrite_output_dir)
 
         truncated = sum(length >= cfg.max_seq_length for length in sampler.lengths)
         runtime.print(
@@ -128,7 +131,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             f"process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU thread(s) each [{runtime.name}]")
 
         def evaluate_and_log():
-            metrics, outputs = _evaluate(runtime, task, model, eval_loader)
+            metrics, outputs = _evaluate(runtime, task, model, eval_loader, stop_if_signalled)
             runtime.log(metrics, step=progress.global_step)
             return metrics, outputs
 
@@ -146,11 +149,23 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                     f"was saved; lower --learning_rate (now {cfg.learning_rate}), keep --max_grad_norm above 0, look "
                     "for extreme rows in the data, and resume from the last checkpoint")
 
+        saved = {}  # step -> its checkpoint, so that a stop at that step does not write it again
+
         def save_checkpoint() -> Path:
             check_finite()
-            folder = runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)
+            folder = saved[progress.global_step] = runtime.save_checkpoint(cfg.output_dir, progress,
+                                                                         cfg.checkpoints_total_limit)
             hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, setup.tokenizer)
             return folder
+
+        def stop_if_signalled() -> None:
+            """A stop signal on any process: all save this step, then stop (the same flags resume it). Checked at
+            every optimizer step and before every evaluation batch, so no long work runs after a signal."""
+            signal_number, negative_time = runtime.max_over_processes([stop.number, -stop.at])
+            if signal_number:
+                folder = saved.get(progress.global_step) or save_checkpoint()
+                progress_bar.close()
+                _stop(runtime, hub, folder, int(signal_number), -negative_time, progress.global_step)
 
         # -- train (the output folder exists: the main process made it when it took the lock)
         # closed however the loop ends, so that an error is printed on a line of its own
@@ -196,7 +211,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                 window_finite.fill_(True)
 
                 # log, evaluate and checkpoint at their cadence
-                if progress.global_step % cfg.logging_steps == 0 or progress.global_step == max_steps:
+                if progress.global_step % cfg.logging_steps == 0 or progress.global_step >= max_steps:
                     check_finite()
                     counts = torch.tensor([interval_units, interval_examples], device=runtime.device)
                     loss_sum, units, examples = runtime.reduce_sum(torch.cat([interval_loss[None], counts])).tolist()
@@ -212,23 +227,16 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                     last_log = now
                     runtime.log(logs, step=progress.global_step)
                     if runtime.is_main_process:
-                        with open(Path(cfg.output_dir) / "log_history.jsonl", "a") as f:
+                        with open(Path(cfg.output_dir) / LOG_HISTORY, "a") as f:
                             f.write(json.dumps({"step": progress.global_step, **logs}) + "\n")
                     progress_bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
                                              samples_per_s=f"{logs['samples_per_second']:.1f}")
                 if cfg.eval_steps and progress.global_step % cfg.eval_steps == 0:
                     (metrics, eval_outputs), evaluated_at = evaluate_and_log(), progress.global_step
                     model.train()
-                saved = cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0
-                if saved:
-                    folder = save_checkpoint()
-
-                # a stop signal on any process: all save this step, then stop (the same flags resume it)
-                signal_number, negative_time = runtime.max_over_processes([stop.number, -stop.at])
-                if signal_number:
-                    folder = folder if saved else save_checkpoint()
-                    progress_bar.close()
-                    _stop(runtime, hub, folder, int(signal_number), -negative_time, progress.global_step)
+                if cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0:
+                    save_checkpoint()
+                stop_if_signalled()
                 if progress.global_step >= max_steps:
                     break
             if progress.batches_in_epoch == sampler.batches_per_rank:
@@ -244,7 +252,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         progress_bar.close()
         train_runtime = time.perf_counter() - start
         if evaluated_at != progress.global_step:  # resumed from a checkpoint taken after the last step
-            metrics, eval_outputs = _evaluate(runtime, task, model, eval_loader)
+            metrics, eval_outputs = _evaluate(runtime, task, model, eval_loader, stop_if_signalled)
 
         # -- save: every process reaches this point, the main process writes the unwrapped model
         real_tokens, processed_tokens = runtime.reduce_sum(
@@ -261,13 +269,13 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             "runtime": runtime.name,
             "world_size": runtime.world_size,
         }
-        check_finite()
+        # (nothing non-finite gets here: the last step is always logged, which checks it first)
         _save(runtime, task, cfg, model, setup, hub, results, eval_outputs)
         runtime.wait_for_save()
         runtime.print(f"saved the model to {cfg.output_dir}\n" + json.dumps(results, indent=2))
 
         # -- the end: only the main process waits for its uploads (bounded by --hub_timeout)
-        pushes = hub.finish()
+        pushes = hub.finish(stopped_at=lambda: stop.at)  # waits less once a stop signal comes
         if pushes:
             results["hub_pushes"] = pushes
             _write_json(Path(cfg.output_dir) / "all_results.json", results)
@@ -276,6 +284,22 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                 raise UserError(f"{len(failed)} of {len(pushes)} Hub pushes failed and --hub_strict is set; "
                                 f"the model is saved in {cfg.output_dir}")
         return results
+
+
+def _starting_checkpoint(cfg: TrainConfig, env: LaunchEnvironment, launch: str) -> tuple[Path | None, bool]:
+    """The checkpoint this process would resume from, and whether it is the newest of the output folder (which the
+    main process then chooses for all: ``_main_process_choice``)."""
+    if (env.restart_count or env.requeue_count) and launch:
+        # torchrun restarted the workers after a failure, or Slurm requeued the job: continue from the newest
+        # checkpoint this launch wrote, not from the start or an older --resume_from_checkpoint again, and not
+        # from another run's (which --overwrite_output_dir removes only once the run has started).
+        own = find_latest_checkpoint(cfg.output_dir, launch)
+        if own:
+            return own, True
+    spec = cfg.resume_from_checkpoint
+    if spec and spec.startswith("hub:"):
+        spec = str(download_last_checkpoint(spec, cfg.hub_revision, cfg.hub_token))
+    return resolve_resume_checkpoint(spec, cfg.output_dir), spec == "latest"
 
 
 def _main_process_choice(runtime: Runtime, chosen: Path | None, output_dir: str) -> Path | None:
@@ -291,24 +315,27 @@ def _main_process_choice(runtime: Runtime, chosen: Path | None, output_dir: str)
 
 def _stop(runtime: Runtime, hub: HubPusher, checkpoint: Path, signal_number: int, signal_time: float,
           step: int) -> None:
-    """Report the stop, hand the checkpoint's push to the uploader (bounded by --hub_timeout), and raise
-    ``Stopped``; leaving the runtime's context then flushes the trackers."""
+    """Report the stop, give the checkpoint's push what is left of the stop's time budget (the uploader goes on
+    by itself after that), and raise ``Stopped``; leaving the runtime's context then flushes the trackers."""
     delay = time.time() - signal_time
     runtime.log({"stop_signal_to_checkpoint_seconds": delay}, step=step)
     runtime.print(f"stopped by {signal.Signals(signal_number).name} at step {step}: {checkpoint} was complete on disk "
                   f"{delay:.1f} s after the signal; run the same command with --resume_from_checkpoint latest to "
                   "continue")
-    hub.finish()
+    hub.finish(stopped_at=lambda: signal_time)
     raise Stopped(f"stopped by {signal.Signals(signal_number).name} at step {step}")
 
 
-def _evaluate(runtime: Runtime, task: Task, model, eval_loader) -> tuple[dict[str, float], tuple]:
+def _evaluate(runtime: Runtime, task: Task, model, eval_loader, stop_if_signalled: Callable[[], None]
+              ) -> tuple[dict[str, float], tuple]:
     """Exact metrics over the whole evaluation set (each example once, whatever the world size), and
-    every example's outputs in order."""
+    every example's outputs in order. ``stop_if_signalled`` runs before each batch: an evaluation (which may
+    generate for minutes) never keeps a stop waiting."""
     model.eval()
     batches = []
     with torch.no_grad():
         for batch in eval_loader:
+            stop_if_signalled()
             gathered = runtime.gather_for_metrics(task.eval_outputs(runtime.unwrap(model), batch))
             batches.append([values.cpu() for values in gathered])
     outputs = tuple(_concat_padded(list(column)) for column in zip(*batches, strict=True))
@@ -325,29 +352,34 @@ def _concat_padded(tensors: list[torch.Tensor], pad_index: int = -100) -> torch.
 
 def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, setup, hub: HubPusher, results: dict,
           eval_outputs: tuple) -> None:
-    """The final model, ``all_results.json``, the predictions and the model card; the final push."""
+    """The final model, ``all_results.json``, the predictions and the model card, written beside the output folder's
+    contents and then moved over them (``write_final_model``); the final push of exactly those files."""
     state_dict = runtime.unwrapped_state_dict(model)
     check_unwrapped(state_dict)
     if not runtime.is_main_process:
         return
+
+    def write(folder: Path) -> None:
+        task.save(runtime.unwrap(model), state_dict, setup.tokenizer, str(folder))
+        _write_json(folder / "all_results.json", results)
+        task.write_predictions(eval_outputs, str(folder))
+        if cfg.push_to_hub:
+            local_model = cfg.model_name_or_path and os.path.isdir(os.path.expanduser(cfg.model_name_or_path))
+            base_model = None if local_model else cfg.model_name_or_path or task.card.default_base_model
+            card = model_card(base_model=base_model, task=task.card,
+                              recipe=task.name, repo_id=hub.repo_id, title=Path(cfg.output_dir).name,
+                              data_source=setup.data_source, results=results, command=sys.argv, token=hub.token,
+                              hyper_parameters={name: getattr(cfg, name) for name in CARD_HYPER_PARAMETERS})
+            card.save(str(folder / "README.md"))
+
     try:
-        task.save(runtime.unwrap(model), state_dict, setup.tokenizer, cfg.output_dir)
-        _write_json(Path(cfg.output_dir) / "all_results.json", results)
-        task.write_predictions(eval_outputs, cfg.output_dir)
+        files = write_final_model(cfg.output_dir, write)
     except (OSError, RuntimeError, SafetensorError) as err:
         if (reason := disk_write_failure(err)) is None:
             raise
         raise UserError(f"cannot write the model to {cfg.output_dir} ({reason}); free disk space or choose another "
-                        "--output_dir") from None
-    if cfg.push_to_hub:
-        local_model = cfg.model_name_or_path and os.path.isdir(os.path.expanduser(cfg.model_name_or_path))
-        base_model = None if local_model else cfg.model_name_or_path or task.card.default_base_model
-        card = model_card(base_model=base_model, task=task.card,
-                          recipe=task.name, repo_id=hub.repo_id, title=Path(cfg.output_dir).name,
-                          data_source=setup.data_source, results=results, command=sys.argv, token=hub.token,
-                          hyper_parameters={name: getattr(cfg, name) for name in CARD_HYPER_PARAMETERS})
-        card.save(os.path.join(cfg.output_dir, "README.md"))
-    hub.push_final(cfg.output_dir, results["global_step"])
+                        "--output_dir; the model there before is intact") from None
+    hub.push_final(cfg.output_dir, files, results["global_step"])
 
 
 def _write_json(path: Path, values: dict) -> None:

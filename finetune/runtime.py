@@ -8,7 +8,6 @@ synchronisation, collectives, and saving/restoring state.
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 from abc import ABC, abstractmethod
@@ -28,6 +27,7 @@ from finetune.checkpoint import (
     Progress,
     checkpoint_path,
     disk_write_failure,
+    fsync_directory,
     prune_checkpoints,
     write_manifest,
     write_progress,
@@ -199,8 +199,8 @@ class Runtime(ABC):
                 if final.exists():  # an earlier run of the same step, e.g. before a restart
                     shutil.rmtree(final)
                 partial.rename(final)
-                _fsync_directory(final.parent)
-                prune_checkpoints(output_dir, keep)
+                fsync_directory(final.parent)
+                prune_checkpoints(output_dir, keep, progress)
         except (OSError, RuntimeError, SafetensorError) as err:
             shutil.rmtree(partial, ignore_errors=True)
             if (reason := disk_write_failure(err)) is None:
@@ -209,15 +209,6 @@ class Runtime(ABC):
                             "--output_dir; earlier checkpoints are intact") from None
         self.wait_for_save()
         return final
-
-
-def _fsync_directory(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
