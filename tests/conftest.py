@@ -192,18 +192,21 @@ def parity_flags(small_data, model: Path, per_device_batch: int, group_by_length
 def parity_runs(small_data, no_dropout_model, tmp_path_factory):
     """Training runs for comparisons, each made once per session and shared.
 
-    ``parity_runs(launcher, processes, per_device_batch, group_by_length=True)`` returns the output
-    folder. Every run: 42 examples in global batches of 8 (the last of each epoch short), accumulation
-    of 2, 3 epochs, checkpoints every 4 steps, dropout off.
+    ``parity_runs(launcher, processes, per_device_batch, group_by_length=True, dropout=False)`` returns the
+    output folder. Every run: 42 examples in global batches of 8 (the last of each epoch short), accumulation
+    of 2, 3 epochs, checkpoints every 4 steps, dropout off unless ``dropout`` (the default model's, 0.1).
     """
+    from finetune.models import default_model_path
+
     made: dict[tuple, Path] = {}
 
-    def get(launcher: str, processes: int, per_device_batch: int, group_by_length: bool = True) -> Path:
-        key = (launcher, processes, per_device_batch, group_by_length)
+    def get(launcher: str, processes: int, per_device_batch: int, group_by_length: bool = True,
+            dropout: bool = False) -> Path:
+        key = (launcher, processes, per_device_batch, group_by_length) + (("dropout",) if dropout else ())
         if key not in made:
             out = tmp_path_factory.mktemp("_".join(map(str, key))) / "out"
-            flags = [*parity_flags(small_data, no_dropout_model, per_device_batch, group_by_length),
-                     "--output_dir", str(out)]
+            model = default_model_path() if dropout else no_dropout_model
+            flags = [*parity_flags(small_data, model, per_device_batch, group_by_length), "--output_dir", str(out)]
             launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
             run(launch(*flags, **({"num_processes": processes} if launcher == "accelerate" else {"nproc": processes})))
             # Resume tests read step_4 of a two-process run, and weight comparisons read step_8's weights;

@@ -30,17 +30,28 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(default_chat_model_path())
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, tokenizer) -> Path:
-    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template: fast to train."""
-    folder = tmp_path_factory.mktemp("tiny_chat_model")
+def make_tiny_model(folder: Path, tokenizer, initializer_range: float = 0.02) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         initializer_range=initializer_range)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tokenizer) -> Path:
+    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template: fast to train."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_chat_model"), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_with_distinct_replies(tmp_path_factory, tokenizer) -> Path:
+    """The same with weights drawn ten times wider: its greedy replies differ from one conversation to the next
+    (``tiny_model`` gives every conversation the same one), so a reply gathered to the wrong one would show."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_chat_model_wide"), tokenizer, initializer_range=0.05)
 
 
 def jsonl(path: Path, rows: list[dict]) -> str:
@@ -74,11 +85,13 @@ def trained_text(tokenizer, row: dict) -> list[str]:
 
 def test_every_assistant_turn_trains_and_nothing_else(tokenizer):
     dataset = tokenize_conversations([TWO_TURNS], tokenizer, 1024, "train")
+    ids, labels = dataset[0]["input_ids"], dataset[0]["labels"]
     assert trained_text(tokenizer, dataset[0]) == ["Team: billing\nDone.<|im_end|>\n", "You are welcome.<|im_end|>\n"]
-    assert dataset.loss_units == [sum(label != IGNORE for label in dataset[0]["labels"])]
-    assert dataset[0]["labels"] == [t if t != IGNORE else IGNORE for t in dataset[0]["labels"]]
-    labelled = [i for i, label in enumerate(dataset[0]["labels"]) if label != IGNORE]
-    assert all(dataset[0]["input_ids"][i] == dataset[0]["labels"][i] for i in labelled)
+    assert dataset.loss_units == [sum(label != IGNORE for label in labels)]
+    assert len(labels) == len(ids) and all(label in (IGNORE, token) for token, label in zip(ids, labels, strict=True))
+    untrained = tokenizer.decode([token for token, label in zip(ids, labels, strict=True) if label == IGNORE])
+    assert all(text in untrained for text in ("Be brief.", "Refund order 42?", "Thanks!"))
+    assert "Team: billing" not in untrained and "welcome" not in untrained
 
 
 def test_prompt_and_completion_columns_train_like_messages(tokenizer):
@@ -146,13 +159,15 @@ PARITY_FLAGS = ["--gradient_accumulation_steps", "2", "--num_train_epochs", "2",
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("batches", ["--packing", "--no_packing"])
-def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, chat_files, tmp_path, batches):
+def test_one_process_and_two_train_alike_under_both_launchers(tiny_model_with_distinct_replies, chat_files, tmp_path,
+                                                              batches):
     """The loss is the mean over the trained tokens of a whole window on all ranks: 1 x 4 equals 2 x 2."""
+    model = tiny_model_with_distinct_replies
     outs = {"one": tmp_path / "one", "accelerate": tmp_path / "accelerate", "torchrun": tmp_path / "torchrun"}
-    run_tiny(outs["one"], tiny_model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "4",
+    run_tiny(outs["one"], model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "4",
              launcher="accelerate", processes=1)
     for launcher in ("accelerate", "torchrun"):
-        run_tiny(outs[launcher], tiny_model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "2",
+        run_tiny(outs[launcher], model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "2",
                  launcher=launcher, processes=2)
     reference = history(outs["one"])
     assert [h["step"] for h in reference] == list(range(1, 7))  # 22 conversations, windows of 8, 2 epochs
@@ -165,15 +180,19 @@ def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, chat_f
                 b["grad_norm"], rel=1e-4)
         other = load_file(outs[launcher] / "adapter_model.safetensors")
         assert other.keys() == adapter.keys()
-        assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-5
+        # AdamW moves a weight by about the learning rate (1e-2) a step, less where its gradient is near zero, and
+        # there summing in another order can flip the update: a hundredth of one step (the losses and gradient
+        # norms above are the exact comparison).
+        assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-4
         results, expected = read_results(outs[launcher]), read_results(outs["one"])
         assert (results["world_size"], expected["world_size"]) == (2, 1)
         assert results["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
         assert (results["padding_efficiency"] == 1.0) == (batches == "--packing")
+        # Replies are generated in shards on every process and gathered: each must stay with its conversation.
         generations = read_jsonl(outs[launcher] / "eval_generations.jsonl")
         alone = read_jsonl(outs["one"] / "eval_generations.jsonl")
-        assert len(generations) == 11 and [g["messages"] for g in generations] == [g["messages"] for g in alone]
-        assert [g["reference"] for g in generations] == [g["reference"] for g in alone]
+        assert len(generations) == 11 and generations == alone
+        assert len({g["generation"] for g in alone}) > 1, "the replies differ, so a mix-up would show"
     # Checkpoints hold the adapter and its optimizer state only.
     checkpoint = load_file(outs["torchrun"] / "checkpoints" / "step_4" / "model.safetensors")
     assert checkpoint.keys() == {k.replace(".weight", ".default.weight") for k in adapter}
