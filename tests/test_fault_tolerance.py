@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST_FLAGS, REPO, data_flags, max_weight_diff, read_results, run, torchrun_cmd
+from conftest import FAST_FLAGS, REPO, data_flags, max_weight_diff, parity_flags, read_results, run, torchrun_cmd
 
 from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
 
@@ -180,6 +180,38 @@ def test_a_checkpoint_file_that_would_run_code_is_refused(small_data, tmp_path):
     assert not marker.exists(), "loading ran code from the checkpoint"
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "loading it could run code" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.multiprocess
+def test_a_restart_before_overwrite_output_dir_acts_never_resumes_the_run_being_replaced(
+        parity_runs, small_data, no_dropout_model, tmp_path):
+    """A fresh run with --overwrite_output_dir into a folder with another run's checkpoint dies before it has
+    removed it (its worker killed as it starts); torchrun restarts it, and it starts fresh again."""
+    import shutil
+
+    import psutil
+
+    from finetune.checkpoint import read_progress
+
+    out = tmp_path / "out"
+    replaced = out / "checkpoints" / "step_4"
+    shutil.copytree(parity_runs("torchrun", 2, 4) / "checkpoints" / "step_4", replaced)
+    replaced_run = read_progress(replaced).run_id
+    command = torchrun_cmd(*parity_flags(small_data, no_dropout_model, 8), "--output_dir", str(out),
+                           "--overwrite_output_dir", nproc=1)
+    command.insert(command.index("--nproc_per_node"), "--max-restarts=1")
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (workers := [p for p in psutil.Process(job.pid).children(recursive=True)
+                           if "classify.py" in " ".join(p.cmdline())]):
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    workers[0].send_signal(signal.SIGKILL)
+    output, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, output[-4000:]
+    assert "resumed from" not in output
+    assert read_progress(out / "checkpoints" / "step_4").run_id != replaced_run
+    assert max_weight_diff(parity_runs("torchrun", 1, 8), out) <= 1e-6
 
 
 @pytest.mark.multiprocess
