@@ -71,7 +71,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
     # -- where the run starts: a fresh output folder, or a checkpoint to continue from
     env = LaunchEnvironment.read()
     launch = launch_id(env)
-    resume_from, newest_in_folder = _starting_checkpoint(cfg, env, launch)
+    resume_from, found_in_folder = _starting_checkpoint(cfg, env, launch)
 
     # The main process holds the output folder for the whole run (another run there is refused); a stop
     # signal from now on is noted, not obeyed at once: the loop saves at its next optimizer step.
@@ -81,7 +81,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
         stop = closing.enter_context(StopSignals())
         runtime = closing.enter_context(make_runtime(cfg, _tracker_settings(task, cfg, task_options)))
-        if newest_in_folder:
+        if found_in_folder:
             resume_from = _main_process_choice(runtime, resume_from, cfg.output_dir)
         set_seed(cfg.seed)
         hub = HubPusher(enabled=cfg.push_to_hub and runtime.is_main_process, output_dir=cfg.output_dir,
@@ -287,9 +287,10 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
 
 
 def _starting_checkpoint(cfg: TrainConfig, env: LaunchEnvironment, launch: str) -> tuple[Path | None, bool]:
-    """The checkpoint this process would resume from, and whether it is the newest of the output folder (which the
-    main process then chooses for all: ``_main_process_choice``)."""
-    if (env.restart_count or env.requeue_count) and launch:
+    """The checkpoint this process would resume from, and whether it looked for it in the output folder (then the
+    main process chooses for all: ``_main_process_choice``); the latter is the same on every process."""
+    restarted = bool((env.restart_count or env.requeue_count) and launch)
+    if restarted:
         # torchrun restarted the workers after a failure, or Slurm requeued the job: continue from the newest
         # checkpoint this launch wrote, not from the start or an older --resume_from_checkpoint again, and not
         # from another run's (which --overwrite_output_dir removes only once the run has started).
@@ -299,17 +300,24 @@ def _starting_checkpoint(cfg: TrainConfig, env: LaunchEnvironment, launch: str) 
     spec = cfg.resume_from_checkpoint
     if spec and spec.startswith("hub:"):
         spec = str(download_last_checkpoint(spec, cfg.hub_revision, cfg.hub_token))
-    return resolve_resume_checkpoint(spec, cfg.output_dir), spec == "latest"
+    return resolve_resume_checkpoint(spec, cfg.output_dir), restarted or spec == "latest"
 
 
 def _main_process_choice(runtime: Runtime, chosen: Path | None, output_dir: str) -> Path | None:
-    """The newest checkpoint as the main process found it, for every process: each looked at the folder at its
-    own moment, and a checkpoint completed in between would have them resume from different steps."""
-    if runtime.is_main_process:
-        mine = read_progress(chosen).global_step if chosen else -1
-    else:
+    """The checkpoint the main process chose, for every process: each looked at the folder at its own moment, and
+    a checkpoint completed in between would have them resume from different steps. A checkpoint outside the
+    output folder came from the command line, the same for all."""
+    if not runtime.is_main_process:
         mine = -math.inf
+    elif chosen is None:
+        mine = -1
+    elif Path(chosen).resolve().parent == (Path(output_dir) / "checkpoints").resolve():
+        mine = read_progress(chosen).global_step
+    else:
+        mine = -2
     (step,) = runtime.max_over_processes([mine])
+    if step == -2:
+        return chosen
     return None if step < 0 else checkpoint_path(output_dir, int(step))
 
 
