@@ -12,7 +12,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -136,6 +138,14 @@ def snapshot(folder: Path) -> dict[str, str]:
     """Every file under ``folder`` with its SHA-256, to show that nothing changed."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def limit_file_size():
+    """In a child process (``preexec_fn``): files stop growing at 20 MB (EFBIG), as on a full disk; the signal that
+    comes with it is ignored so that the write fails instead of killing the process. ``sbatch --propagate=FSIZE``
+    passes the limit on to its job."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20 << 20, 20 << 20))
 
 
 def write_csv(path: Path, rows: list[dict]) -> Path:

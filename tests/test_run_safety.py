@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import resource
 import signal
 import subprocess
 import time
 
 import psutil
 import pytest
-from conftest import FAST_FLAGS, REPO, data_flags, load_recipe, python_cmd, snapshot
+from conftest import FAST_FLAGS, REPO, data_flags, limit_file_size, load_recipe, python_cmd, snapshot
 
 from finetune.checkpoint import Progress, verify_checkpoint, write_manifest, write_progress
 from finetune.errors import run_main
@@ -47,13 +46,6 @@ def test_a_non_finite_last_step_is_neither_logged_nor_saved(small_data, tmp_path
                             cwd=REPO, capture_output=True, text=True)
     assert "was not finite at step 2, so nothing from that step on was saved" in one_error(result)
     assert not out.exists(), "no loss was logged, no model, results or predictions saved"
-
-
-def limit_file_size():
-    """In the child: files stop growing at 20 MB (EFBIG), as on a full disk; the signal that comes with it is
-    ignored so that the write fails instead of killing the process."""
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (20 << 20, 20 << 20))
 
 
 def test_a_checkpoint_the_disk_cannot_hold_is_one_clear_error_and_the_earlier_ones_are_intact(small_data, tmp_path):

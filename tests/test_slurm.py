@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import os
 import re
-import resource
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FAST_FLAGS, HUB_TOKEN, REPO, data_flags, max_weight_diff, parity_flags, read_results, snapshot
+from conftest import (
+    FAST_FLAGS,
+    HUB_TOKEN,
+    REPO,
+    data_flags,
+    limit_file_size,
+    max_weight_diff,
+    parity_flags,
+    read_results,
+    snapshot,
+)
 
 from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
 
@@ -179,13 +187,6 @@ def test_the_warning_before_the_time_limit_leaves_a_checkpoint_the_requeued_job_
     second = re.findall(r"stopped by SIGUSR1 at step (\d+)", job.output())
     assert len(second) == 2 and int(second[-1]) > int(stop.group(1)), "the second attempt trained on"
     assert find_latest_checkpoint(str(out)).name == f"step_{second[-1]}"
-
-
-def limit_file_size():
-    """In sbatch's process, passed on to the job (--propagate=FSIZE): files stop growing at 20 MB (EFBIG), as on
-    a full disk, so a checkpoint cannot be written."""
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (20 << 20, 20 << 20))
 
 
 def test_a_warned_job_whose_checkpoint_fails_is_not_requeued_and_its_token_is_on_no_command_line(
