@@ -90,14 +90,36 @@ def test_a_final_model_the_disk_cannot_hold_leaves_the_one_it_replaces_as_it_was
     assert not (out / ".final.partial").exists()
 
 
+def write_checkpoint(out, step: int, run_id: str):
+    folder = out / "checkpoints" / f"step_{step}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"an earlier run's weights")
+    write_progress(folder, Progress(global_step=step, run_id=run_id))
+    write_manifest(folder, Progress(global_step=step, run_id=run_id))
+    return folder
+
+
+def test_a_resume_into_a_folder_with_another_runs_later_checkpoints_is_refused(small_data, tmp_path, capsys):
+    """`latest` would continue the other run afterwards, and pruning would have counted its checkpoints."""
+    out = tmp_path / "out"
+    resumed = write_checkpoint(out, 1, "this")
+    write_checkpoint(out, 9, "other")
+    write_checkpoint(out, 10, "other")
+    before = snapshot(out)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(load_recipe().main, [*data_flags(small_data), "--output_dir", str(out), "--resume_from_checkpoint",
+                                      str(resumed), "--checkpoints_total_limit", "2"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2
+    assert error.startswith(f"error: --output_dir {out} holds another run's checkpoints of later steps (step_9, "
+                            f"step_10) than {resumed}") and "--overwrite_output_dir" in error
+    assert snapshot(out) == before
+
+
 def test_bad_input_with_overwrite_output_dir_removes_nothing(tmp_path, capsys):
     """A mistyped --train_file is found when the data is read, after the output folder's checks."""
     out = tmp_path / "out"
-    old = out / "checkpoints" / "step_4"
-    old.mkdir(parents=True)
-    (old / "model.safetensors").write_bytes(b"an earlier run's weights")
-    write_progress(old, Progress(global_step=4, run_id="earlier"))
-    write_manifest(old, Progress(global_step=4, run_id="earlier"))
+    write_checkpoint(out, 4, "earlier")
     (out / "config.json").write_text("{}")
     (out / "log_history.jsonl").write_text(json.dumps({"step": 4, "loss": 0.5}) + "\n")
     before = snapshot(out)
