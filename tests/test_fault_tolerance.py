@@ -121,32 +121,33 @@ def test_a_killed_worker_is_restarted_and_the_job_finishes_as_if_never_killed(
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("runtime", ["ddp", "accelerate"])
 def test_a_save_slower_than_the_timeout_on_rank_0_does_not_abort_the_others(small_data, tmp_path, runtime):
+    """Rank 0 is frozen (SIGSTOP) once it starts writing the final model, for twice the collective timeout."""
+    import psutil
     from conftest import accelerate_cmd
 
     out = tmp_path / "out"
-    out.mkdir()
-    # save_pretrained writes config.json with open(): as a named pipe, opening it blocks rank 0's save
-    # until the test opens the other end, which it does twice the collective timeout later.
-    os.mkfifo(out / "config.json")
     timeout = 4
     launch = torchrun_cmd if runtime == "ddp" else accelerate_cmd
+    log = open(tmp_path / "output.txt", "w+")  # read back at the end
     job = subprocess.Popen(launch(*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "4",
                                   "--max_train_steps", "2", "--output_dir", str(out), "--ddp_timeout", str(timeout),
                                   "--runtime", runtime),
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = []
-    for line in job.stdout:  # the last evaluation is printed just before the save
-        output.append(line)
-        if "epoch 0: eval_accuracy" in line:
-            break
-    assert job.poll() is None, "".join(output)[-4000:]
+                           cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not (rank_0 := [p for p in psutil.Process(job.pid).children(recursive=True)
+                          if p.environ().get("RANK") == "0" and "classify.py" in " ".join(p.cmdline())]):
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    wait_for(out / ".final.partial", job, timeout=300, interval=0.001)
+    rank_0[0].send_signal(signal.SIGSTOP)
     time.sleep(2 * timeout)
-    assert job.poll() is None, "the job died while rank 0 was saving:\n" + job.communicate()[0][-4000:]
-    with open(out / "config.json", "rb") as pipe:
-        config = pipe.read()
-    output.append(job.communicate(timeout=120)[0])
-    assert job.returncode == 0, "".join(output)[-4000:]
-    assert b'"id2label"' in config
+    alive = job.poll() is None
+    rank_0[0].send_signal(signal.SIGCONT)
+    job.wait(timeout=120)
+    log.seek(0)
+    assert alive, "the job died while rank 0 was saving:\n" + log.read()[-4000:]
+    assert job.returncode == 0, log.read()[-4000:]
+    assert '"id2label"' in (out / "config.json").read_text()
     assert read_results(out)["world_size"] == 2
 
 
