@@ -142,11 +142,20 @@ def report(status: dict, repo_id: str) -> None:
           file=sys.stderr, flush=True)
 
 
+def lower_priority() -> None:
+    """Nice 10, for the process and, when it leads a session of its own, for that session's scheduling group:
+    where Linux groups processes by session (autogroup), a nice value only ranks a process within its group,
+    and a group of its own would share the CPU with training's group as an equal."""
+    os.nice(UPLOAD_NICENESS)
+    if os.getsid(0) == os.getpid() and os.path.exists("/proc/self/autogroup"):
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(UPLOAD_NICENESS))
+
+
 def main() -> None:
     for number in IGNORED_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
-    if hasattr(os, "nice"):
-        os.nice(UPLOAD_NICENESS)
+    lower_priority()
     repo_id, timeout = sys.argv[1], float(sys.argv[2])
     revision = sys.argv[3] if len(sys.argv) > 3 else None
     token = os.environ.get("HF_TOKEN") or None

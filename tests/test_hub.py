@@ -303,7 +303,8 @@ class Saves:
         (Path(folder) / self.name).write_text("{}")
 
 
-def test_a_dead_uploader_is_reported_once_and_nothing_more_is_staged(hub, tmp_path, capfd, monkeypatch):
+def test_the_uploader_leads_its_own_low_priority_session_and_a_dead_one_is_reported_once(hub, tmp_path, capfd,
+                                                                                        monkeypatch):
     from finetune.hub import HubPusher
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -312,6 +313,13 @@ def test_a_dead_uploader_is_reported_once_and_nothing_more_is_staged(hub, tmp_pa
         monkeypatch.setenv(name, value)
     pusher = HubPusher(enabled=True, output_dir=str(tmp_path), repo_id="alice/dead", token=TOKEN, private=False,
                        revision=None, strategy="every_save", timeout=30)
+    # In a session of its own, it is a scheduling group of its own, which it puts at nice 10 as well: else it
+    # would share the CPU with training's session as an equal.
+    autogroup, deadline = Path(f"/proc/{pusher._uploader.pid}/autogroup"), time.monotonic() + 30
+    while not autogroup.read_text().strip().endswith("nice 10"):
+        assert time.monotonic() < deadline, autogroup.read_text()
+        time.sleep(0.05)
+    assert os.getsid(pusher._uploader.pid) == pusher._uploader.pid
     os.kill(pusher._uploader.pid, signal.SIGSTOP)  # holds the first push while its staging copy is looked at
     for step in (1, 2, 3):
         folder = tmp_path / "checkpoints" / f"step_{step}"
