@@ -51,6 +51,11 @@ class TrainConfig:
     validation_file: str | None = arg(None, "Evaluation data, same formats as --train_file.")
     max_seq_length: int = arg(128, "Longer inputs are cut to this many tokens (and counted at start-up).")
     trust_remote_code: bool = arg(False, "Allow model or dataset code from the Hub to run on this machine.")
+    preprocessing_num_workers: int | None = arg(None, "Processes that tokenize the data when its cache is built.")
+    overwrite_cache: bool = arg(False, "Tokenize the data again even if a cache of it exists.")
+    dataset_cache_dir: str | None = arg(None, "Where tokenized data is cached; default: finetune/ in the datasets "
+                                              "cache (HF_DATASETS_CACHE).")
+    prepare_only: bool = arg(False, "Tokenize the data into its cache and exit (a CPU job before a GPU job).")
 
     # Optimisation
     per_device_train_batch_size: int = arg(32, "Training examples per process per micro-step.")
@@ -107,7 +112,7 @@ class TrainConfig:
                      "gradient_accumulation_steps", "max_seq_length", "logging_steps", "ddp_timeout", "hub_timeout"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} is {getattr(self, name)}; it must be a positive whole number")
-        for name in ("max_train_steps", "checkpoints_total_limit", "eval_steps"):
+        for name in ("max_train_steps", "checkpoints_total_limit", "eval_steps", "preprocessing_num_workers"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name} is {value}; it must be a positive whole number (or left unset)")

@@ -102,11 +102,9 @@ class DDPRuntime(Runtime):
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def epoch_batches(self, train_loader, epoch, skip_batches=0):
-        self.train_sampler.set_epoch(epoch)
-        total = len(train_loader)
-        for index, batch in enumerate(train_loader):
-            if index < skip_batches:
-                continue
+        self.train_sampler.set_epoch(epoch, skip_batches)  # the skipped batches are never fetched
+        total = self.train_sampler.batches_per_rank
+        for index, batch in enumerate(train_loader, start=skip_batches):
             self._sync = (index + 1) % self.accumulation_steps == 0 or index + 1 == total
             yield self._to_device(batch)
 

@@ -43,6 +43,7 @@ from finetune.hub import HubPusher, download_last_checkpoint, model_card
 from finetune.launcher import make_runtime
 from finetune.models import optimizer_param_groups
 from finetune.preemption import StopSignals
+from finetune.prepared_data import load_or_build
 from finetune.runtime import Runtime, TrackerSettings
 from finetune.task import Task
 
@@ -62,6 +63,9 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         UserError: bad input anywhere (data, flags, checkpoints, Hub access), or failed pushes under
             ``--hub_strict``.
     """
+    if cfg.prepare_only:
+        return _prepare_only(task, cfg)
+
     # -- where the run starts: a fresh output folder, or a checkpoint to continue from
     env = LaunchEnvironment.read()
     resume_spec = cfg.resume_from_checkpoint
@@ -89,8 +93,11 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                         repo_id=cfg.hub_model_id, token=cfg.hub_token, private=cfg.hub_private_repo,
                         revision=cfg.hub_revision, strategy=cfg.hub_strategy, timeout=cfg.hub_timeout)
 
-        # -- data and model, from the task; training batches planned globally (see finetune.batching)
-        setup = task.setup(cfg)
+        # -- data (tokenized once into a cache every process memory-maps) and model, from the task; training
+        # batches planned globally (see finetune.prepared_data and finetune.batching)
+        tokenizer = task.load_tokenizer(cfg)
+        data = load_or_build(task, cfg, tokenizer, runtime)
+        setup = task.setup(cfg, tokenizer, data)
         sampler = GlobalBatchSampler(setup.train_set.lengths, cfg.per_device_train_batch_size, runtime.world_size,
                                      seed=cfg.seed, group_by_length=cfg.group_by_length,
                                      accumulation_steps=cfg.gradient_accumulation_steps,
@@ -121,9 +128,9 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             runtime.load_state(resume_from)
             runtime.print(f"resumed from {resume_from} at step {progress.global_step}")
 
-        truncated = sum(length >= cfg.max_seq_length for length in sampler.lengths)
+        truncated = int((sampler.lengths >= cfg.max_seq_length).sum())
         runtime.print(
-            f"training {task.name} on {setup.data_source}: {len(setup.train_set)} examples ({truncated} cut "
+            f"training {task.name} on {data.source}: {len(setup.train_set)} examples ({truncated} cut "
             f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {max_steps} steps, {runtime.world_size} "
             f"process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU thread(s) each [{runtime.name}]")
 
@@ -149,7 +156,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         def save_checkpoint() -> Path:
             check_finite()
             folder = runtime.save_checkpoint(cfg.output_dir, progress, cfg.checkpoints_total_limit)
-            hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, setup.tokenizer)
+            hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, tokenizer)
             return folder
 
         # -- train (the output folder exists: the main process made it when it took the lock)
@@ -182,7 +189,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                         scheduler.step()
                         optimizer.zero_grad()
                 if planned.num_real:
-                    real_tokens += sum(sampler.lengths[i] for i in planned)
+                    real_tokens += int(sampler.lengths[planned].sum())
                     processed_tokens += batch["input_ids"].numel()
                     interval_loss += loss.detach().float()
                     interval_units += planned.units
@@ -262,7 +269,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             "world_size": runtime.world_size,
         }
         check_finite()
-        _save(runtime, task, cfg, model, setup, hub, results, eval_outputs)
+        _save(runtime, task, cfg, model, tokenizer, data.source, hub, results, eval_outputs)
         runtime.wait_for_save()
         runtime.print(f"saved the model to {cfg.output_dir}\n" + json.dumps(results, indent=2))
 
@@ -276,6 +283,13 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                 raise UserError(f"{len(failed)} of {len(pushes)} Hub pushes failed and --hub_strict is set; "
                                 f"the model is saved in {cfg.output_dir}")
         return results
+
+
+def _prepare_only(task: Task, cfg: TrainConfig) -> dict:
+    """``--prepare_only``: make the data cache if it is missing, and nothing else (no output folder, no model)."""
+    with make_runtime(cfg, tracking=None) as runtime:
+        load_or_build(task, cfg, task.load_tokenizer(cfg), runtime)
+    return {}
 
 
 def _main_process_choice(runtime: Runtime, chosen: Path | None, output_dir: str) -> Path | None:
@@ -323,15 +337,15 @@ def _concat_padded(tensors: list[torch.Tensor], pad_index: int = -100) -> torch.
     return torch.cat(tensors)
 
 
-def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, setup, hub: HubPusher, results: dict,
-          eval_outputs: tuple) -> None:
+def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, tokenizer, data_source: str, hub: HubPusher,
+          results: dict, eval_outputs: tuple) -> None:
     """The final model, ``all_results.json``, the predictions and the model card; the final push."""
     state_dict = runtime.unwrapped_state_dict(model)
     check_unwrapped(state_dict)
     if not runtime.is_main_process:
         return
     try:
-        task.save(runtime.unwrap(model), state_dict, setup.tokenizer, cfg.output_dir)
+        task.save(runtime.unwrap(model), state_dict, tokenizer, cfg.output_dir)
         _write_json(Path(cfg.output_dir) / "all_results.json", results)
         task.write_predictions(eval_outputs, cfg.output_dir)
     except (OSError, RuntimeError, SafetensorError) as err:
@@ -344,7 +358,7 @@ def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, setup, hub: Hub
         base_model = None if local_model else cfg.model_name_or_path or task.card.default_base_model
         card = model_card(base_model=base_model, task=task.card,
                           recipe=task.name, repo_id=hub.repo_id, title=Path(cfg.output_dir).name,
-                          data_source=setup.data_source, results=results, command=sys.argv, token=hub.token,
+                          data_source=data_source, results=results, command=sys.argv, token=hub.token,
                           hyper_parameters={name: getattr(cfg, name) for name in CARD_HYPER_PARAMETERS})
         card.save(os.path.join(cfg.output_dir, "README.md"))
     hub.push_final(cfg.output_dir, results["global_step"])

@@ -122,10 +122,11 @@ class Runtime(ABC):
     def wait_for_everyone(self) -> None: ...
 
     def wait_for_save(self) -> None:
-        """Wait for the main process to finish writing files, however long that takes.
+        """Wait for the processes that write files (a checkpoint, the final model, the data cache) to finish,
+        however long that takes.
 
-        A plain barrier is a collective bound by ``--ddp_timeout`` (and NCCL's watchdog): a slow disk on
-        the main process would abort the others. This waits on a separate gloo group with no practical
+        A plain barrier is a collective bound by ``--ddp_timeout`` (and NCCL's watchdog): a slow disk or a
+        long tokenization on one process would abort the others. This waits on a separate gloo group with no practical
         limit; a main process that dies is noticed by the launcher, which ends the job.
         """
         if self.world_size > 1:

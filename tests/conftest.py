@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,8 @@ CPU_DDP_CONFIG = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tokenized data is cached per session: runs of the same data share a cache, and none outlives the tests.
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="finetune-tests-datasets-")
 
 # Small, fast runs: short sequences, a few examples.
 FAST_FLAGS = ["--max_seq_length", "48", "--per_device_eval_batch_size", "4", "--logging_steps", "1"]
@@ -47,6 +50,17 @@ def hub(tmp_path):
         server.env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(tmp_path / "hub-cache"),
                       "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": ""}
         yield server
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
+
+
+def tokenizing(tmp_path: Path):
+    """A fresh ``Tokenizing`` writing under ``tmp_path``, for tokenizing a split in a test."""
+    from finetune.prepared_data import Tokenizing
+
+    return Tokenizing(Path(tempfile.mkdtemp(dir=tmp_path)), workers=None)
 
 
 def pytest_collection_modifyitems(config, items):
