@@ -31,8 +31,8 @@ from finetune.checkpoint import (
     write_manifest,
     write_progress,
 )
-from finetune.errors import UserError
-from finetune.trackers import Trackers, TrackerSettings
+from finetune.errors import Stopped, UserError
+from finetune.trackers import FLUSH_TIMEOUT, STOP_FLUSH_TIMEOUT, Trackers, TrackerSettings
 
 __all__ = ["Runtime", "TrackerSettings", "load_trainable_state", "own_generator", "trainable_state_dict"]
 
@@ -62,10 +62,11 @@ class Runtime(ABC):
     def __enter__(self) -> Runtime:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, *exc_info) -> None:
         try:
             if self._trackers is not None:
-                self._trackers.close()
+                # A stop has a scheduler's kill grace to fit in: its checkpoint is complete, the trackers get little.
+                self._trackers.close(STOP_FLUSH_TIMEOUT if exc_type is Stopped else FLUSH_TIMEOUT)
         finally:
             self.close()
 

@@ -29,13 +29,15 @@ from accelerate.tracking import GeneralTracker, MLflowTracker, TensorBoardTracke
 
 from finetune.checkpoint import read_progress
 
-__all__ = ["FLUSH_TIMEOUT", "RUN_FILE", "TrackerSettings", "Trackers", "read_tracking_run"]
+__all__ = ["FLUSH_TIMEOUT", "RUN_FILE", "STOP_FLUSH_TIMEOUT", "TrackerSettings", "Trackers", "read_tracking_run"]
 
 RUN_FILE = "tracking.json"
 """In each checkpoint: the tracking run's id and name, for a resumed run to continue."""
 
 FLUSH_TIMEOUT = 60.0
 """Seconds the end of a run waits for the trackers to take what is queued and close."""
+STOP_FLUSH_TIMEOUT = 10.0
+"""The same when a stop signal ended the run."""
 
 RUN_ID_TAG = "finetune_run_id"
 """The MLflow tag that holds our run id: MLflow makes its own run ids, so a resumed run looks the run up by it."""
@@ -210,9 +212,17 @@ def _start_tracker(name: str, settings: TrackerSettings) -> GeneralTracker:
             os.environ.get("WANDB_PROJECT", settings.project), name=settings.run_name, id=settings.run_id,
             resume="allow", dir=local_files, settings=wandb.Settings(x_disable_meta=not settings.record_command_line))
     tracker.start()
-    if settings.resumed_at is None:  # a continued run has its configuration (MLflow refuses to change a param)
+    if not _continues_a_run(tracker, settings):  # a continued run has it (and MLflow refuses to change a param)
         tracker.store_init_configuration(settings.config)
     return tracker
+
+
+def _continues_a_run(tracker: GeneralTracker, settings: TrackerSettings) -> bool:
+    if isinstance(tracker, _MLflowRun):
+        return tracker.continued
+    if isinstance(tracker, WandBTracker):
+        return tracker.run.resumed  # offline, each attempt has files of its own
+    return settings.resumed_at is not None
 
 
 class _MLflowRun(MLflowTracker):
@@ -221,18 +231,19 @@ class _MLflowRun(MLflowTracker):
     def __init__(self, settings: TrackerSettings):
         super().__init__(experiment_name=settings.project, run_name=settings.run_name)
         self.our_id = settings.run_id
-        self.continuing = settings.resumed_at is not None
+        self.resuming = settings.resumed_at is not None
+        self.continued = False
         self.recorded_up_to: dict[str, int] = {}
 
     def start(self):
         import mlflow
 
         experiment = mlflow.get_experiment_by_name(self.experiment_name)
-        if self.run_id is None and self.continuing and experiment is not None:
+        if self.run_id is None and self.resuming and experiment is not None:
             runs = mlflow.search_runs([experiment.experiment_id], filter_string=f"tags.{RUN_ID_TAG} = '{self.our_id}'",
                                       output_format="list")
             if runs:
-                self.run_id = runs[0].info.run_id
+                self.run_id, self.continued = runs[0].info.run_id, True
                 client = mlflow.MlflowClient()
                 # An attempt that died after its last checkpoint logged some of the steps this one is about to.
                 self.recorded_up_to = {key: max(m.step for m in client.get_metric_history(self.run_id, key))
