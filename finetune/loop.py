@@ -52,7 +52,8 @@ CARD_HYPER_PARAMETERS = ("learning_rate", "per_device_train_batch_size", "gradie
                          "num_train_epochs", "max_train_steps", "lr_scheduler_type", "num_warmup_steps",
                          "weight_decay", "max_grad_norm", "max_seq_length", "seed", "group_by_length")
 UNTRACKED_RESULTS = {"epoch", "global_step", "runtime", "world_size"}
-"""``all_results`` entries not sent to the trackers at the end: the step, the set-up, and the interval's epoch."""
+"""``all_results`` entries the trackers do not get at the end: the step, the set-up, and ``epoch``, which each
+logging interval records as the epoch's index."""
 
 
 def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:

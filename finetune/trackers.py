@@ -238,8 +238,8 @@ class _MLflowRun(MLflowTracker):
     def start(self):
         import mlflow
 
-        experiment = mlflow.get_experiment_by_name(self.experiment_name)
-        if self.run_id is None and self.resuming and experiment is not None:
+        experiment = self.resuming and self.run_id is None and mlflow.get_experiment_by_name(self.experiment_name)
+        if experiment:
             runs = mlflow.search_runs([experiment.experiment_id], filter_string=f"tags.{RUN_ID_TAG} = '{self.our_id}'",
                                       output_format="list")
             if runs:
