@@ -44,9 +44,7 @@ class AccelerateRuntime(Runtime):
             step_scheduler_with_optimizer=False,
             dataloader_config=DataLoaderConfiguration(even_batches=True),
             kwargs_handlers=[InitProcessGroupKwargs(timeout=ddp_timeout)],
-            log_with=tracking.report_to if tracking else None,
-            project_config=ProjectConfiguration(project_dir=project_dir,
-                                                logging_dir=tracking.logging_dir if tracking else None),
+            project_config=ProjectConfiguration(project_dir=project_dir),
         )
         if self.accelerator.num_processes != env.world_size:
             raise UserError(
@@ -55,8 +53,7 @@ class AccelerateRuntime(Runtime):
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
         self.device = self.accelerator.device
-        if tracking:
-            self.accelerator.init_trackers(tracking.project, config=tracking.config)
+        self._start_tracking(tracking)
         self.accelerator.register_save_state_pre_hook(self._save_trainable_only)
         self.accelerator.register_load_state_pre_hook(self._load_trainable_only)
 
@@ -137,9 +134,6 @@ class AccelerateRuntime(Runtime):
 
     def _load_state(self, folder):
         self.accelerator.load_state(str(folder))
-
-    def log(self, values, step):
-        self.accelerator.log(values, step=step)
 
     def close(self):
         self.accelerator.end_training()

@@ -11,6 +11,7 @@ a mistake comes back before the training libraries load.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import sys
 import typing
@@ -29,6 +30,9 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
               "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
               "warmup_stable_decay", "greedy")
 """``transformers.SchedulerType`` values, spelled out so that checking a flag does not import torch."""
+
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+"""What ``--report_to`` may name, each also the package that must be installed for it."""
 
 
 def arg(default, help: str, **extra):
@@ -84,8 +88,10 @@ class TrainConfig:
                                                    "hub:ORG/NAME.")
     eval_steps: int | None = arg(None, "Also evaluate every N optimizer steps (always at each epoch's end).")
     logging_steps: int = arg(10, "Log loss, learning rate and throughput every N optimizer steps.")
-    with_tracking: bool = arg(False, "Send metrics to experiment trackers.")
-    report_to: str = arg("all", "Trackers for --with_tracking: tensorboard, wandb, ... or 'all'.")
+    with_tracking: bool = arg(False, "Send metrics to every installed experiment tracker (--report_to all).")
+    report_to: str | None = arg(None, "Experiment trackers, comma-separated: tensorboard, mlflow, wandb; 'all' "
+                                      "(those installed) or 'none'. Default: none, or all with --with_tracking.")
+    run_name: str | None = arg(None, "The run's name in the trackers; default: the output folder's name.")
 
     # Hugging Face Hub
     push_to_hub: bool = arg(False, "Push the final model (and, per --hub_strategy, checkpoints) to the Hub.")
@@ -132,12 +138,45 @@ class TrainConfig:
             raise UserError("--dataset_name and --train_file/--validation_file both given; pass one data source")
         if bool(self.train_file) != bool(self.validation_file):
             raise UserError("--train_file and --validation_file go together; pass both")
+        _chosen_trackers(self.report_to, self.with_tracking)
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers this run reports to, from ``--report_to`` and ``--with_tracking``."""
+        return _chosen_trackers(self.report_to, self.with_tracking)
 
     @property
     def checkpoint_every_steps(self) -> int | None:
         if self.checkpointing_steps is None or self.checkpointing_steps == "epoch":
             return None
         return int(self.checkpointing_steps)
+
+
+def _chosen_trackers(report_to: str | None, with_tracking: bool) -> tuple[str, ...]:
+    """The trackers ``--report_to`` (a comma list, all or none) names; all installed with ``--with_tracking`` alone.
+
+    Raises:
+        UserError: an unknown name, a tracker whose package is not installed, or 'all' with none installed.
+    """
+    spec = report_to or ("all" if with_tracking else "none")
+    names = [name.strip().lower() for name in spec.split(",") if name.strip()]
+    installed = tuple(name for name in TRACKERS if importlib.util.find_spec(name) is not None)
+    if names == ["none"]:
+        return ()
+    if names == ["all"]:
+        if not installed:
+            raise UserError(f"--report_to all: none of {', '.join(TRACKERS)} is installed; "
+                            "pip install -e '.[trackers]', or leave tracking off")
+        return installed
+    if {"all", "none"} & set(names) or not names:
+        raise UserError(f"--report_to {spec!r}: give tracker names, or all or none alone")
+    if unknown := [name for name in names if name not in TRACKERS]:
+        raise UserError(f"--report_to {spec}: {unknown[0]!r} is not a tracker here; name some of "
+                        f"{', '.join(TRACKERS)} (comma-separated), or all or none")
+    if missing := [name for name in names if name not in installed]:
+        raise UserError(f"--report_to {missing[0]} needs the {missing[0]} package, which is not installed; "
+                        f"pip install -e '.[trackers]' (or pip install {missing[0]})")
+    return tuple(dict.fromkeys(names))
 
 
 class _Parser(HfArgumentParser):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import os
 import random
 from datetime import timedelta
 
@@ -60,8 +59,6 @@ class DDPRuntime(Runtime):
                  backend: str | None, ddp_timeout: timedelta, tracking: TrackerSettings | None):
         if mixed_precision == "fp16":
             raise UserError("--mixed_precision fp16 needs a gradient scaler; use bf16, or --runtime accelerate")
-        if tracking and tracking.report_to not in ("all", "tensorboard"):
-            raise UserError(f"--report_to {tracking.report_to} is not supported by --runtime ddp; use tensorboard")
         self.info = init_distributed(backend, ddp_timeout)
         self.world_size, self.rank, self.device = self.info.world_size, self.info.rank, self.info.device
         self.accumulation_steps = gradient_accumulation_steps
@@ -70,11 +67,7 @@ class DDPRuntime(Runtime):
         self._sync = True
         self._eval_remaining = 0
         self._model = self._optimizer = self._scheduler = None
-        self._writer = None
-        if tracking and self.is_main_process:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=os.path.join(tracking.logging_dir, tracking.project))
+        self._start_tracking(tracking)
 
     def train_loader(self, dataset, sampler, collate_fn):
         # No loader shards batches for us: the sampler yields this rank's shares only.
@@ -177,12 +170,5 @@ class DDPRuntime(Runtime):
         if torch.cuda.is_available() and "torch_cuda_manual_seed" in rng:
             torch.cuda.set_rng_state_all(rng["torch_cuda_manual_seed"])
 
-    def log(self, values, step):
-        if self._writer is not None:
-            for key, value in values.items():
-                self._writer.add_scalar(key, value, step)
-
     def close(self):
-        if self._writer is not None:
-            self._writer.close()
         destroy_distributed()

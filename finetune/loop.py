@@ -52,6 +52,9 @@ __all__ = ["train"]
 CARD_HYPER_PARAMETERS = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
                          "num_train_epochs", "max_train_steps", "lr_scheduler_type", "num_warmup_steps",
                          "weight_decay", "max_grad_norm", "max_seq_length", "seed", "group_by_length")
+UNTRACKED_RESULTS = {"epoch", "global_step", "runtime", "world_size"}
+"""``all_results`` entries the trackers do not get at the end: the step, the set-up, and ``epoch``, which each
+logging interval records as the epoch's index."""
 
 
 def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
@@ -85,7 +88,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resuming=resume_from is not None,
                          remove=env.rank == 0)
         stop = closing.enter_context(StopSignals())
-        runtime = closing.enter_context(make_runtime(cfg, _tracker_settings(task, cfg, task_options)))
+        runtime = closing.enter_context(make_runtime(cfg, _tracker_settings(task, cfg, task_options, resume_from)))
         if resume_spec == "latest":
             resume_from = _main_process_choice(runtime, resume_from, cfg.output_dir)
         set_seed(cfg.seed)
@@ -217,10 +220,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                     interval_loss.zero_()
                     interval_units = interval_examples = 0
                     last_log = now
-                    runtime.log(logs, step=progress.global_step)
-                    if runtime.is_main_process:
-                        with open(Path(cfg.output_dir) / "log_history.jsonl", "a") as f:
-                            f.write(json.dumps({"step": progress.global_step, **logs}) + "\n")
+                    _log_interval(runtime, cfg.output_dir, logs, progress.global_step)
                     progress_bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
                                              samples_per_s=f"{logs['samples_per_second']:.1f}")
                 if cfg.eval_steps and progress.global_step % cfg.eval_steps == 0:
@@ -271,6 +271,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         check_finite()
         _save(runtime, task, cfg, model, tokenizer, data.source, hub, results, eval_outputs)
         runtime.wait_for_save()
+        runtime.log({k: results[k] for k in results.keys() - metrics.keys() - UNTRACKED_RESULTS}, progress.global_step)
         runtime.print(f"saved the model to {cfg.output_dir}\n" + json.dumps(results, indent=2))
 
         # -- the end: only the main process waits for its uploads (bounded by --hub_timeout)
@@ -369,10 +370,20 @@ def _write_json(path: Path, values: dict) -> None:
         json.dump(values, f, indent=2)
 
 
-def _tracker_settings(task: Task, cfg: TrainConfig, task_options) -> TrackerSettings | None:
-    if not cfg.with_tracking:
+def _log_interval(runtime: Runtime, output_dir: str, logs: dict[str, float], step: int) -> None:
+    """An interval's metrics to the trackers and to ``log_history.jsonl``."""
+    runtime.log(logs, step=step)
+    if runtime.is_main_process:
+        with open(Path(output_dir) / "log_history.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **logs}) + "\n")
+
+
+def _tracker_settings(task: Task, cfg: TrainConfig, task_options, resume_from: Path | None) -> TrackerSettings | None:
+    """What the trackers record of this run (the flags and the recipe's options, never the Hub token), and as
+    which run: the one ``resume_from`` recorded, if any."""
+    if not cfg.trackers:
         return None
     options = {**dataclasses.asdict(cfg), **(dataclasses.asdict(task_options) if task_options else {})}
     tracked = {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool)) and k != "hub_token"}
-    return TrackerSettings(report_to=cfg.report_to, project=task.name,
-                           logging_dir=os.path.join(cfg.output_dir, "runs"), config=tracked)
+    return TrackerSettings.for_run(cfg.trackers, project=task.name, output_dir=cfg.output_dir, run_name=cfg.run_name,
+                                   config=tracked, resume_from=resume_from, secret=cfg.hub_token)

@@ -14,7 +14,6 @@ import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,22 +31,13 @@ from finetune.checkpoint import (
     write_manifest,
     write_progress,
 )
-from finetune.errors import UserError
+from finetune.errors import Stopped, UserError
+from finetune.trackers import FLUSH_TIMEOUT, STOP_FLUSH_TIMEOUT, Trackers, TrackerSettings
 
 __all__ = ["Runtime", "TrackerSettings", "load_trainable_state", "own_generator", "trainable_state_dict"]
 
 
 SAVE_WAIT = timedelta(days=7)
-
-
-@dataclass(frozen=True)
-class TrackerSettings:
-    """Experiment tracking, for ``--with_tracking``: which trackers, the project's name, what to record."""
-
-    report_to: str
-    project: str
-    logging_dir: str
-    config: dict
 
 
 class Runtime(ABC):
@@ -58,6 +48,7 @@ class Runtime(ABC):
     rank: int
     device: torch.device
     _cpu_group_handle = None
+    _trackers: Trackers | None = None
 
     @property
     def is_main_process(self) -> bool:
@@ -71,8 +62,18 @@ class Runtime(ABC):
     def __enter__(self) -> Runtime:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        try:
+            if self._trackers is not None:
+                # A stop has a scheduler's kill grace to fit in: its checkpoint is complete, the trackers get little.
+                self._trackers.close(STOP_FLUSH_TIMEOUT if exc_type is Stopped else FLUSH_TIMEOUT)
+        finally:
+            self.close()
+
+    def _start_tracking(self, tracking: TrackerSettings | None) -> None:
+        """The trackers ``tracking`` names, on the main process; the same under every launcher."""
+        if tracking and self.is_main_process:
+            self._trackers = Trackers(tracking)
 
     @abstractmethod
     def train_loader(self, dataset, sampler: GlobalBatchSampler, collate_fn) -> DataLoader:
@@ -176,9 +177,10 @@ class Runtime(ABC):
             raise UserError(f"{folder} holds a file that is not plain tensors and values ({reason[:200]}); "
                             "it was not loaded, since loading it could run code") from None
 
-    @abstractmethod
     def log(self, values: dict[str, float], step: int) -> None:
-        """Send ``values`` to the trackers (main process only)."""
+        """Queue ``values`` for the trackers (main process only); returns at once, whatever they do."""
+        if self._trackers is not None:
+            self._trackers.log(values, step)
 
     @abstractmethod
     def close(self) -> None: ...
@@ -196,6 +198,8 @@ class Runtime(ABC):
             self.wait_for_save()
             if self.is_main_process:
                 write_progress(partial, progress)
+                if self._trackers is not None:
+                    self._trackers.settings.write_run(partial)
                 write_manifest(partial, progress)
                 if final.exists():  # an earlier run of the same step, e.g. before a restart
                     shutil.rmtree(final)

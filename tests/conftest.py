@@ -229,3 +229,13 @@ def parity_runs(small_data, no_dropout_model, tmp_path_factory):
         return made[key]
 
     return get
+
+
+def tensorboard_scalars(output_dir: Path) -> dict[str, list]:
+    """Every scalar series of the run's TensorBoard folder, as TensorBoard reads it (purged steps dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (folder,) = [p for p in (output_dir / "runs").iterdir() if p.name != "wandb"]
+    accumulator = EventAccumulator(str(folder))
+    accumulator.Reload()
+    return {tag: accumulator.Scalars(tag) for tag in accumulator.Tags()["scalars"]}
