@@ -107,7 +107,8 @@ def shard_model(model: torch.nn.Module, info: DistributedInfo, optimizer: torch.
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(base, mesh=mesh, mp_policy=policy)
     if dist.get_backend() == "gloo":
-        # gloo's AVG reduce-scatter has given wrong gradients under fully_shard (pytorch #162338): sum, then divide.
+        # gloo's AVG reduce-scatter gave wrong gradients under fully_shard in some torch releases (pytorch #162338):
+        # sum, then divide.
         for module in base.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
