@@ -16,7 +16,7 @@ from finetune.batching import GlobalBatchSampler
 from finetune.ddp import init_distributed
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
-from finetune.fsdp import clip_grad_norm_, full_state_dict, generate_in_lockstep
+from finetune.fsdp import clip_grad_norm_, full_state_dict, generate_in_lockstep, transformer_block_classes
 from finetune.fsdp_runtime import load_sharded_state, save_sharded_state
 from finetune.runtime import Runtime, TrackerSettings, load_trainable_state, own_generator, trainable_state_dict
 
@@ -103,6 +103,10 @@ class AccelerateRuntime(Runtime):
                           generator=own_generator(self.seed))
 
     def prepare(self, model, optimizer, scheduler, *loaders):
+        if self.shards and self.accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap is None:
+            # Accelerate shards the input embeddings on their own after the blocks, and fails when a block it
+            # wrapped holds them (BERT's embedding layer is in _no_split_modules): the blocks as torchrun --fsdp.
+            self.accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = transformer_block_classes(model)
         prepared = self.accelerator.prepare(model, optimizer, scheduler, *loaders)
         if self.shards:
             generate_in_lockstep(prepared[0])

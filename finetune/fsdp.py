@@ -48,6 +48,7 @@ __all__ = [
     "save_sharded",
     "set_gradient_sync",
     "shard_model",
+    "transformer_block_classes",
     "sharded_shapes",
 ]
 
@@ -81,12 +82,23 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def transformer_block_classes(model: torch.nn.Module) -> list[str]:
+    """The class names of ``model``'s transformer blocks: those its transformers class keeps whole
+    (``_no_split_modules``), less one that holds the input embeddings (BERT's embedding layer is listed too)."""
+    base = _base_model(model)
+    embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    holding_embeddings = {type(module).__name__ for module in base.modules()
+                          if embeddings is not None and any(child is embeddings for child in module.modules())}
+    return sorted(names - holding_embeddings)
+
+
 def shard_model(model: torch.nn.Module, info: DistributedInfo, optimizer: torch.optim.Optimizer | None = None,
                 bf16: bool = False) -> torch.nn.Module:
     """Shard ``model`` (on ``info.device``) in place across all processes; returns it.
 
-    Every transformer block (the classes a transformers model names in ``_no_split_modules``) gets
-    ``fully_shard``, then the model itself over a one-dimensional device mesh. Parameters become DTensors,
+    Every transformer block (``transformer_block_classes``) gets ``fully_shard``, then the model itself,
+    over a one-dimensional device mesh. Parameters become DTensors,
     so an ``optimizer`` built on the model before is pointed at them (its state must still be empty).
     ``bf16``: weights are gathered and computed in bfloat16 while gradients are reduced, and the optimizer
     steps, in float32.
@@ -95,7 +107,7 @@ def shard_model(model: torch.nn.Module, info: DistributedInfo, optimizer: torch.
         ValueError: the model names no transformer block class (nothing to shard one block at a time).
     """
     base = _base_model(model)
-    block_classes = set(getattr(base, "_no_split_modules", None) or ())
+    block_classes = transformer_block_classes(model)
     blocks = [module for module in base.modules() if type(module).__name__ in block_classes]
     if not blocks:
         raise ValueError(f"{type(base).__name__} names no transformer block class (_no_split_modules) to shard")
