@@ -29,8 +29,6 @@ from finetune.checkpoint import verify_checkpoint
 from finetune.default_chat import make_support_conversations
 from finetune.models import default_chat_model_path
 
-pytestmark = pytest.mark.multiprocess
-
 SFT = str(REPO / "recipes" / "sft.py")
 
 
@@ -55,6 +53,7 @@ def assert_continues(uninterrupted, resumed, first_step: int, ddp) -> None:
     assert_weights_match_a_parity_run(ddp, resumed)
 
 
+@pytest.mark.multiprocess
 def test_fsdp_trains_as_ddp_and_each_process_writes_its_shards(parity_runs, fsdp_run):
     ddp = parity_runs("torchrun", 2, 4)
     results = read_results(fsdp_run)
@@ -70,6 +69,7 @@ def test_fsdp_trains_as_ddp_and_each_process_writes_its_shards(parity_runs, fsdp
     assert json.loads((checkpoint / "progress.json").read_text())["per_device_train_batch_size"] == 4
 
 
+@pytest.mark.multiprocess
 def test_the_saved_model_loads_in_one_process_and_predicts_as_the_sharded_one(fsdp_run, small_data):
     """The final evaluation ran on the sharded model: its loss and predictions come back from the folder."""
     model, info = AutoModelForSequenceClassification.from_pretrained(fsdp_run, output_loading_info=True)
@@ -87,6 +87,7 @@ def test_the_saved_model_loads_in_one_process_and_predicts_as_the_sharded_one(fs
     assert [model.config.id2label[i] for i in logits.argmax(-1).tolist()] == predictions
 
 
+@pytest.mark.multiprocess
 def test_a_stopped_fsdp_run_resumes_on_one_process_and_back_on_two_as_if_never_stopped(
         parity_runs, fsdp_run, small_data, no_dropout_model, tmp_path):
     """SIGTERM to torchrun stops the 2 x 4 run with a sharded checkpoint; 1 process x 8 (the same global batch)
@@ -96,18 +97,20 @@ def test_a_stopped_fsdp_run_resumes_on_one_process_and_back_on_two_as_if_never_s
                                               "--output_dir", str(stopped)), signal.SIGTERM, "launcher")
     step = stopped_step(output, signal.SIGTERM)
     assert 1 <= step < 9 and not (stopped / "model.safetensors").exists(), output[-3000:]
+    saved = max(step + 1, 5)  # mid-epoch, and the one checkpoint of the run resumed on one process
     resumed = run(python_cmd(*parity_flags(small_data, no_dropout_model, 8), "--fsdp", "--checkpointing_steps",
-                             str(step + 1), "--output_dir", str(one), "--resume_from_checkpoint",
+                             str(saved), "--output_dir", str(one), "--resume_from_checkpoint",
                              str(stopped / "checkpoints" / f"step_{step}")))
     assert f"at step {step}" in resumed.stdout and read_results(one)["world_size"] == 1
     run(torchrun_cmd(*parity_flags(small_data, no_dropout_model, 4), "--fsdp", "--output_dir", str(two),
-                     "--resume_from_checkpoint", str(one / "checkpoints" / f"step_{step + 1}")))
+                     "--resume_from_checkpoint", str(one / "checkpoints" / f"step_{saved}")))
     assert read_results(two)["world_size"] == 2
     ddp = parity_runs("torchrun", 2, 4)
     assert_continues(fsdp_run, one, step + 1, ddp)
-    assert_continues(fsdp_run, two, step + 2, ddp)
+    assert_continues(fsdp_run, two, saved + 1, ddp)
 
 
+@pytest.mark.multiprocess
 def test_a_ddp_checkpoint_resumes_on_one_process_and_back_on_two(parity_runs, small_data, no_dropout_model,
                                                                   tmp_path):
     reference = parity_runs("torchrun", 2, 4)
@@ -121,6 +124,7 @@ def test_a_ddp_checkpoint_resumes_on_one_process_and_back_on_two(parity_runs, sm
     assert_continues(reference, two, 6, reference)
 
 
+@pytest.mark.multiprocess
 def test_accelerates_fsdp_config_on_a_machine_without_gpus_says_to_use_torchrun(tmp_path):
     out = tmp_path / "out"
     result = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -154,6 +158,7 @@ def chat_runs(tmp_path_factory) -> dict:
     return outs
 
 
+@pytest.mark.multiprocess
 def test_lora_under_fsdp_trains_as_ddp_and_saves_the_whole_adapter(chat_runs):
     ddp, fsdp = chat_runs["ddp"], chat_runs["fsdp"]
     assert read_results(fsdp)["runtime"] == "fsdp"
@@ -170,6 +175,7 @@ def test_lora_under_fsdp_trains_as_ddp_and_saves_the_whole_adapter(chat_runs):
     assert max((adapter[k] - expected[k]).abs().max().item() for k in expected) < 1e-5
 
 
+@pytest.mark.multiprocess
 def test_the_sharded_adapter_loads_in_one_process_and_replies_as_the_sharded_model_did(chat_runs):
     from peft import PeftModel
 
@@ -182,5 +188,37 @@ def test_the_sharded_adapter_loads_in_one_process_and_replies_as_the_sharded_mod
                                         return_dict=True)
     with torch.no_grad():
         reply = model.generate(**ids, max_new_tokens=6, do_sample=False)[0, ids["input_ids"].shape[1]:]
-        torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, atol=1e-4, rtol=0)
+        # Folding the adapter in rounds differently over 30 blocks (1.2e-4 measured); the adapter itself moves
+        # these logits by up to 7.
+        torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, atol=1e-3, rtol=0)
     assert tokenizer.decode(reply, skip_special_tokens=True) == generation["generation"]
+
+
+def test_a_sharded_checkpoint_whose_metadata_would_run_code_is_refused_unread(tmp_path):
+    """torch.distributed.checkpoint unpickles its metadata unrestricted: it is read first with an unpickler that
+    takes checkpoint metadata only."""
+    import os
+    import pickle
+
+    from finetune.fsdp import MODEL_FOLDER, OPTIMIZER_FOLDER, sharded_shapes
+
+    class RunsCode:
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+
+    for name in (MODEL_FOLDER, OPTIMIZER_FOLDER):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".metadata").write_bytes(pickle.dumps(RunsCode()))
+    with pytest.raises(pickle.UnpicklingError, match="is not checkpoint metadata"):
+        sharded_shapes(tmp_path)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_fsdp_under_accelerate_launch_without_its_fsdp_config_is_refused(monkeypatch, tmp_path):
+    from finetune.config import TrainConfig
+    from finetune.errors import UserError
+    from finetune.launcher import make_runtime
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # what accelerate launch sets, with no FSDP config
+    with pytest.raises(UserError, match="under accelerate launch, pass --config_file accelerate_configs/fsdp.yaml"):
+        make_runtime(TrainConfig(fsdp=True, output_dir=str(tmp_path)), None)
