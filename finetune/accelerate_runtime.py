@@ -58,7 +58,7 @@ class AccelerateRuntime(Runtime):
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
         self.device = self.accelerator.device
-        if self.accelerator.distributed_type == DistributedType.FSDP and not self.accelerator.is_fsdp2:
+        if self.accelerator.distributed_type == DistributedType.FSDP and not self.shards:
             raise UserError("the accelerate config asks for FSDP version 1; set fsdp_version: 2 in its fsdp_config")
         if self.shards and self.accelerator.mixed_precision == "bf16":
             # Accelerate's policy would also reduce gradients in bf16; in float32, as torchrun --fsdp does.
@@ -72,7 +72,7 @@ class AccelerateRuntime(Runtime):
 
     @property
     def shards(self) -> bool:
-        return self.accelerator.is_fsdp2
+        return getattr(self.accelerator, "is_fsdp2", False)  # an older Accelerate has no FSDP2
 
     def _save_trainable_only(self, models, weights, output_dir):
         # Checkpoints hold only the weights that train, under the unwrapped names (as the raw-DDP runtime).

@@ -48,8 +48,8 @@ __all__ = [
     "save_sharded",
     "set_gradient_sync",
     "shard_model",
-    "transformer_block_classes",
     "sharded_shapes",
+    "transformer_block_classes",
 ]
 
 MODEL_FOLDER = "pytorch_model_fsdp_0"
@@ -98,8 +98,8 @@ def shard_model(model: torch.nn.Module, info: DistributedInfo, optimizer: torch.
     """Shard ``model`` (on ``info.device``) in place across all processes; returns it.
 
     Every transformer block (``transformer_block_classes``) gets ``fully_shard``, then the model itself,
-    over a one-dimensional device mesh. Parameters become DTensors,
-    so an ``optimizer`` built on the model before is pointed at them (its state must still be empty).
+    over a one-dimensional device mesh. Parameters become DTensors, so an ``optimizer`` built on the model
+    before is pointed at them (its state must still be empty).
     ``bf16``: weights are gathered and computed in bfloat16 while gradients are reduced, and the optimizer
     steps, in float32.
 
@@ -113,8 +113,8 @@ def shard_model(model: torch.nn.Module, info: DistributedInfo, optimizer: torch.
         raise ValueError(f"{type(base).__name__} names no transformer block class (_no_split_modules) to shard")
     names = {id(param): name for name, param in model.named_parameters()}
     mesh = init_device_mesh(info.device.type, (info.world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
-        MixedPrecisionPolicy()
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+              else MixedPrecisionPolicy())
     for block in reversed(blocks):  # inner blocks first, should a block hold another
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(base, mesh=mesh, mp_policy=policy)
