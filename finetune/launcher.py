@@ -41,8 +41,8 @@ def make_runtime(cfg: TrainConfig, tracking: TrackerSettings | None) -> Runtime:
         raise UserError("Accelerate runs FSDP on GPUs only and this machine has none; to shard on CPUs, launch "
                         "torchrun --nproc_per_node=N RECIPE --fsdp")
     if kind == "accelerate" and cfg.fsdp and not env.accelerate_fsdp:
-        raise UserError("--fsdp shards under torchrun (or plain python); under accelerate launch, pass "
-                        "--config_file accelerate_configs/fsdp.yaml instead (GPUs only)")
+        raise UserError("--fsdp shards with the raw torch runtime (torchrun or plain python, --runtime auto or ddp); "
+                        "under accelerate launch, pass --config_file accelerate_configs/fsdp.yaml instead (GPUs only)")
     timeout = timedelta(seconds=cfg.ddp_timeout)
     common = {"mixed_precision": cfg.mixed_precision, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
               "seed": cfg.seed, "tracking": tracking}

@@ -123,6 +123,28 @@ def assert_weights_match_a_parity_run(reference, other) -> None:
     assert max_weight_diff(reference, other) <= 2e-5
 
 
+def assert_adapter_replies_as_generated(out: Path, base_model, max_new_tokens: int, merged_atol: float) -> int:
+    """The adapter saved in ``out``, loaded onto ``base_model`` in this process, greedily replies to each prompt of
+    ``out/eval_generations.jsonl`` what the run generated, and ``out/merged`` gives its logits within
+    ``merged_atol``; returns how many generations there were."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), out).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    generations = [json.loads(line) for line in (out / "eval_generations.jsonl").read_text().splitlines()]
+    for row in generations:
+        ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)
+        with torch.no_grad():
+            reply = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids["input_ids"].shape[1]:]
+            torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, atol=merged_atol, rtol=0)
+        assert tokenizer.decode(reply, skip_special_tokens=True) == row["generation"]
+    return len(generations)
+
+
 @functools.cache
 def load_recipe():
     """``recipes/classify.py`` as a module, to run its ``main`` in this process."""
