@@ -1,6 +1,6 @@
 """What sharding saves: FSDP (``torchrun --fsdp``) against DDP on a full fine-tune of SmolLM2-135M, 2 processes.
 
-    python bench/fsdp_memory.py      # about 6 minutes on 2 CPU cores -> bench/results/fsdp-memory.json
+    python bench/fsdp_memory.py      # about 20 minutes on 2 CPU cores -> bench/results/fsdp-memory.json
 
 Both sides run the chat recipe with ``--no_use_lora`` (every weight trains) on the same conversations, batch,
 optimizer (fused AdamW) and threads (one per process), interleaved, ``--repeats`` times. ``bench/probe.py`` reports
