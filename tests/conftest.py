@@ -13,11 +13,13 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from safetensors.torch import load_file
 
@@ -110,6 +112,24 @@ def weight_distance(a, b) -> float:
     return sum(((wa[k].float() - wb[k].float()) ** 2).sum().item() for k in wa) ** 0.5
 
 
+def log_history(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "log_history.jsonl").read_text().splitlines()]
+
+
+def assert_same_training(a, b) -> None:
+    """The same steps, the same gradient norm and loss at each step, and the same final weights.
+
+    Gradient norms are compared because AdamW normalises a uniform scale error in the gradient away:
+    the weights alone would not show it.
+    """
+    history_a, history_b = log_history(a), log_history(b)
+    assert [h["step"] for h in history_a] == [h["step"] for h in history_b] == list(range(1, 10))
+    for step_a, step_b in zip(history_a, history_b, strict=True):
+        assert step_b["grad_norm"] == pytest.approx(step_a["grad_norm"], rel=1e-5), (step_a, step_b)
+        assert step_b["loss"] == pytest.approx(step_a["loss"], rel=1e-5), (step_a, step_b)
+    assert_weights_match_a_parity_run(a, b)
+
+
 def assert_weights_match_a_parity_run(reference, other) -> None:
     """Equal up to float rounding, for two of ``parity_runs``' 9-step runs (checkpoints at steps 4 and 8).
 
@@ -143,6 +163,32 @@ def assert_adapter_replies_as_generated(out: Path, base_model, max_new_tokens: i
             torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, atol=merged_atol, rtol=0)
         assert tokenizer.decode(reply, skip_special_tokens=True) == row["generation"]
     return len(generations)
+
+
+def start_and_signal(command: list[str], sig: signal.Signals, target: str) -> tuple[int, str]:
+    """Start ``command``; once training starts, send ``sig`` to the launcher or to rank 1's worker."""
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in job.stdout:
+        lines.append(line)
+        if line.startswith("training classify on"):
+            break
+    else:
+        raise AssertionError("".join(lines[-40:]))
+    if target == "launcher":
+        job.send_signal(sig)
+    else:
+        workers = [p for p in psutil.Process(job.pid).children(recursive=True)
+                   if p.environ().get("RANK") == "1" and "classify.py" in " ".join(p.cmdline())]
+        assert len(workers) == 1, workers
+        workers[0].send_signal(sig)
+    rest, _ = job.communicate(timeout=300)
+    return job.returncode, "".join(lines) + rest
+
+
+def stopped_step(output: str, sig: signal.Signals) -> int:
+    line = next(line for line in output.splitlines() if line.startswith(f"stopped by {sig.name} at step "))
+    return int(line.split(" at step ")[1].split(":")[0])
 
 
 @functools.cache

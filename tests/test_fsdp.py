@@ -13,17 +13,19 @@ import torch
 from conftest import (
     REPO,
     assert_adapter_replies_as_generated,
+    assert_same_training,
     assert_weights_match_a_parity_run,
     free_port,
+    log_history,
     parity_flags,
     python_cmd,
     read_results,
     run,
+    start_and_signal,
+    stopped_step,
     torchrun_cmd,
 )
 from safetensors.torch import load_file
-from test_ddp import assert_same_training, log_history
-from test_preemption import start_and_signal, stopped_step
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from finetune.checkpoint import verify_checkpoint
