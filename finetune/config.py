@@ -77,6 +77,7 @@ class TrainConfig:
                                       "compute on padding.")
     mixed_precision: Literal["no", "fp16", "bf16"] | None = arg(
         None, "Overrides the launcher's choice (accelerate config); raw DDP supports no and bf16.")
+    bf16: bool = arg(False, "Same as --mixed_precision bf16 (the flag of transformers' and TRL's scripts).")
 
     # Outputs, checkpoints, logging
     output_dir: str = arg("outputs", "Where the trained model, checkpoints and results go.")
@@ -112,6 +113,9 @@ class TrainConfig:
                                                                 "Accelerate otherwise.")
     ddp_backend: str | None = arg(None, "torch.distributed backend; default nccl with CUDA, gloo without.")
     ddp_timeout: int = arg(1800, "Seconds a collective may wait for the other processes before the job fails.")
+    fsdp: bool = arg(False, "Shard weights, gradients and optimizer state across the processes (PyTorch FSDP2) "
+                            "instead of copying them to each (DDP); under torchrun or plain python. Under "
+                            "accelerate launch, use --config_file accelerate_configs/fsdp.yaml (GPUs only).")
 
     def __post_init__(self):
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
@@ -134,6 +138,10 @@ class TrainConfig:
         ):
             raise UserError(
                 f"--checkpointing_steps is {self.checkpointing_steps!r}; give a positive number of steps or 'epoch'")
+        if self.bf16:
+            if self.mixed_precision not in (None, "bf16"):
+                raise UserError(f"--bf16 and --mixed_precision {self.mixed_precision} disagree; pass one of them")
+            self.mixed_precision = "bf16"
         if self.dataset_name and (self.train_file or self.validation_file):
             raise UserError("--dataset_name and --train_file/--validation_file both given; pass one data source")
         if bool(self.train_file) != bool(self.validation_file):

@@ -6,12 +6,9 @@ the other's checkpoints.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
-import random
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -28,12 +25,17 @@ from finetune.ddp import (
     wrap_model,
 )
 from finetune.errors import UserError
-from finetune.runtime import Runtime, TrackerSettings, load_trainable_state, own_generator, trainable_state_dict
+from finetune.runtime import (
+    Runtime,
+    TrackerSettings,
+    load_rng_state,
+    load_trainable_state,
+    own_generator,
+    save_rng_state,
+    trainable_state_dict,
+)
 
 __all__ = ["DDPRuntime"]
-
-_RNG_STATE_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType, codecs.encode]
-"""What numpy's RNG state needs to unpickle, and nothing that could run code."""
 
 
 class _OrderedEval:
@@ -146,15 +148,7 @@ class DDPRuntime(Runtime):
                       metadata={"format": "pt"})
             torch.save(self._optimizer.state_dict(), folder / "optimizer.bin")
             torch.save(self._scheduler.state_dict(), folder / "scheduler.bin")
-        rng = {
-            "step": 0,
-            "random_state": random.getstate(),
-            "numpy_random_seed": np.random.get_state(),
-            "torch_manual_seed": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available():
-            rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, folder / f"random_states_{self.rank}.pkl")
+        save_rng_state(folder, self.rank)
 
     def _load_state(self, folder):
         load_trainable_state(unwrap(self._model), load_file(folder / "model.safetensors", device=str(self.device)),
@@ -162,13 +156,7 @@ class DDPRuntime(Runtime):
         self._optimizer.load_state_dict(torch.load(folder / "optimizer.bin", map_location=self.device,
                                                    weights_only=True))
         self._scheduler.load_state_dict(torch.load(folder / "scheduler.bin", weights_only=True))
-        with torch.serialization.safe_globals(_RNG_STATE_GLOBALS):
-            rng = torch.load(folder / f"random_states_{self.rank}.pkl", weights_only=True)
-        random.setstate(rng["random_state"])
-        np.random.set_state(rng["numpy_random_seed"])
-        torch.set_rng_state(rng["torch_manual_seed"])
-        if torch.cuda.is_available() and "torch_cuda_manual_seed" in rng:
-            torch.cuda.set_rng_state_all(rng["torch_cuda_manual_seed"])
+        load_rng_state(folder, self.rank)
 
     def close(self):
         destroy_distributed()

@@ -34,6 +34,7 @@ from finetune.checkpoint import (
     output_dir_lock,
     read_progress,
     resolve_resume_checkpoint,
+    resumed_progress,
 )
 from finetune.config import TrainConfig
 from finetune.ddp import pad_second_dim
@@ -121,13 +122,11 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             setup.model, optimizer, scheduler, train_loader, eval_loader)
 
         # -- resume: weights, optimizer, schedule, RNG and the position in the epoch
-        progress = Progress(world_size=runtime.world_size, runtime=runtime.name, seed=cfg.seed)
-        if resume_from:
-            progress = read_progress(resume_from)
-            if progress.world_size != runtime.world_size:
-                raise UserError(
-                    f"{resume_from} was written by {progress.world_size} processes and this run has "
-                    f"{runtime.world_size}; the data order depends on it, so resume with {progress.world_size}")
+        progress = Progress(world_size=runtime.world_size, runtime=runtime.name, seed=cfg.seed,
+                            per_device_train_batch_size=cfg.per_device_train_batch_size,
+                            gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+        if resume_from:  # at another world size too, when the global batch is kept
+            progress = resumed_progress(read_progress(resume_from), progress, resume_from, sampler.batches_per_rank)
             runtime.load_state(resume_from)
             runtime.print(f"resumed from {resume_from} at step {progress.global_step}")
 

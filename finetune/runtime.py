@@ -8,8 +8,10 @@ synchronisation, collectives, and saving/restoring state.
 
 from __future__ import annotations
 
+import codecs
 import os
 import pickle
+import random
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -17,6 +19,7 @@ from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
@@ -32,12 +35,16 @@ from finetune.checkpoint import (
     write_progress,
 )
 from finetune.errors import Stopped, UserError
+from finetune.fsdp import MODEL_FOLDER
 from finetune.trackers import FLUSH_TIMEOUT, STOP_FLUSH_TIMEOUT, Trackers, TrackerSettings
 
-__all__ = ["Runtime", "TrackerSettings", "load_trainable_state", "own_generator", "trainable_state_dict"]
+__all__ = ["Runtime", "TrackerSettings", "check_trainable_shapes", "load_rng_state", "load_trainable_state",
+           "own_generator", "save_rng_state", "trainable_state_dict"]
 
 
 SAVE_WAIT = timedelta(days=7)
+_RNG_STATE_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType, codecs.encode]
+"""What numpy's RNG state needs to unpickle, and nothing that could run code."""
 
 
 class Runtime(ABC):
@@ -47,6 +54,8 @@ class Runtime(ABC):
     world_size: int
     rank: int
     device: torch.device
+    shards = False
+    """Whether each process holds only its shard of the weights and optimizer state (FSDP)."""
     _cpu_group_handle = None
     _trackers: Trackers | None = None
 
@@ -168,8 +177,14 @@ class Runtime(ABC):
         """Restore a checkpoint; a file that would need arbitrary code to unpickle is refused.
 
         Raises:
-            UserError: a file in ``folder`` holds more than tensors and plain values.
+            UserError: a file in ``folder`` holds more than tensors and plain values, or the checkpoint is
+                sharded and this run is not (or the other way round).
         """
+        if (folder / MODEL_FOLDER).is_dir() != self.shards:
+            raise UserError(
+                f"{folder} was written by a sharded (FSDP) run; resume it with --fsdp under torchrun, or with "
+                "accelerate_configs/fsdp.yaml on GPUs" if not self.shards else
+                f"{folder} was written by a run that did not shard (DDP); resume it without --fsdp")
         try:
             self._load_state(folder)
         except pickle.UnpicklingError as err:
@@ -238,8 +253,14 @@ def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor],
         UserError: the checkpoint holds other weights than those that train here (another model, another
             LoRA configuration, LoRA against a full fine-tune).
     """
+    check_trainable_shapes(model, {name: tuple(tensor.shape) for name, tensor in state.items()}, folder)
+    model.load_state_dict(state, strict=False)
+
+
+def check_trainable_shapes(model: torch.nn.Module, found: dict[str, tuple[int, ...]], folder: Path) -> None:
+    """Raises ``UserError`` unless ``found`` (a checkpoint's weight names and shapes) are the weights that train
+    in ``model``, named as in the unwrapped model."""
     expected = {name: tuple(param.shape) for name, param in model.named_parameters() if param.requires_grad}
-    found = {name: tuple(tensor.shape) for name, tensor in state.items()}
     if found != expected:
         differences = [f"{name} missing" for name in expected.keys() - found.keys()]
         differences += [f"{name} unexpected" for name in found.keys() - expected.keys()]
@@ -248,7 +269,38 @@ def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor],
         raise UserError(f"{folder} holds other trainable weights than this run ({len(differences)} differ, e.g. "
                         f"{sorted(differences)[0]}): it was written with another model or LoRA configuration; "
                         "resume with the flags that wrote it")
-    model.load_state_dict(state, strict=False)
+
+
+def save_rng_state(folder: Path, rank: int) -> None:
+    """Write this process's RNG states (Python, numpy, torch, CUDA) as ``accelerator.save_state`` does."""
+    rng = {
+        "step": 0,
+        "random_state": random.getstate(),
+        "numpy_random_seed": np.random.get_state(),
+        "torch_manual_seed": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, folder / f"random_states_{rank}.pkl")
+
+
+def load_rng_state(folder: Path, rank: int) -> None:
+    """Restore the RNG states ``save_rng_state`` wrote for ``rank``.
+
+    A process the checkpoint has no states for (resuming with more processes than wrote it) keeps those the
+    seed gave it, as every process of a fresh run starts: its dropout masks are new ones, which a change of
+    world size makes of every process's anyway (each example meets other masks on another process).
+    """
+    path = folder / f"random_states_{rank}.pkl"
+    if not path.exists():
+        return
+    with torch.serialization.safe_globals(_RNG_STATE_GLOBALS):
+        rng = torch.load(path, weights_only=True)
+    random.setstate(rng["random_state"])
+    np.random.set_state(rng["numpy_random_seed"])
+    torch.set_rng_state(rng["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in rng:
+        torch.cuda.set_rng_state_all(rng["torch_cuda_manual_seed"])
 
 
 def own_generator(seed: int) -> torch.Generator:

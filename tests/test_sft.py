@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HUB_TOKEN, REPO, accelerate_cmd, read_results, run, snapshot, tokenizing, torchrun_cmd
+from conftest import (
+    HUB_TOKEN,
+    REPO,
+    accelerate_cmd,
+    assert_adapter_replies_as_generated,
+    read_results,
+    run,
+    snapshot,
+    tokenizing,
+    torchrun_cmd,
+)
 from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, LlamaConfig
@@ -212,24 +222,10 @@ def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, chat_f
 
 
 def test_generations_are_the_saved_model_s_greedy_replies(tiny_model, chat_files, tmp_path):
-    from peft import PeftModel
-
     out = tmp_path / "out"
     run_tiny(out, tiny_model, chat_files, "--max_train_steps", "3", "--learning_rate", "1e-2", "--eval_generate", "4",
              "--merge_lora")
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model)
-    model = PeftModel.from_pretrained(base, out).eval()
-    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
-    generations = read_jsonl(out / "eval_generations.jsonl")
-    assert len(generations) == 4
-    for row in generations:
-        ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)
-        with torch.no_grad():
-            reply = model.generate(**ids, max_new_tokens=8, do_sample=False)[0, ids["input_ids"].shape[1]:]
-            torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, atol=1e-4, rtol=0)
-        assert tokenizer.decode(reply, skip_special_tokens=True) == row["generation"]
+    assert assert_adapter_replies_as_generated(out, tiny_model, max_new_tokens=8, merged_atol=1e-4) == 4
 
 
 def test_without_lora_every_weight_trains_and_a_plain_model_is_saved(tiny_model, chat_files, tmp_path):
