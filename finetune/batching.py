@@ -1,12 +1,15 @@
 """Batches: a map-style dataset over memory-mapped tokenized rows, and the sampler that plans every epoch.
 
 The sampler is what makes a run exact and world-size invariant. It plans each epoch as a sequence of
-*global* batches (per-device batch size x world size), shuffled by ``seed + epoch`` alone and grouped by
-length at the global level, and deals every global batch out to the ranks. It also fixes each batch's
-loss scale, the one place where the loss is normalised: ``world_size / loss units in the accumulation
-window`` (units are examples for classification, trained tokens for language modelling and tagging), so
-DDP's average over ranks of ``scale x summed loss`` is the mean loss per unit over the whole window, the
-short last window of an epoch included, whatever the world size.
+optimizer steps, each a *window* of examples (per-device batch x world size x accumulation steps: the global
+batch), shuffled by ``seed + epoch`` alone and grouped by length at the window level; a window is cut into
+``accumulation_steps`` micro-batches of per-device batch x world size examples, and each of those is dealt out
+to the ranks. Which examples share an optimizer step therefore depends only on the global batch: 2 processes x
+batch 4 and 1 process x batch 4 x accumulation 2 train on the same windows, and either resumes the other's
+checkpoint. It also fixes each batch's loss scale, the one place where the loss is normalised: ``world_size /
+loss units in the window`` (units are examples for classification, trained tokens for language modelling and
+tagging), so DDP's average over ranks of ``scale x summed loss`` is the mean loss per unit over the whole
+window, the short last window of an epoch included, whatever the world size.
 
 Lengths, loss units and the plan are numpy arrays: planning an epoch of ten million rows takes seconds, and
 a batch's indices become a Python list only when the loader asks for it.
@@ -155,8 +158,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return (self.batches_per_rank - self.skip_batches) * (self.num_replicas if self.rank is None else 1)
 
     def global_batches(self, epoch: int) -> list[np.ndarray]:
-        """The global batches of ``epoch`` (arrays of dataset indices); only the last may be short."""
-        order, starts = self._ordered(epoch)
+        """The micro-batches of ``epoch`` across all ranks (arrays of dataset indices), in order; only the last
+        of each window may be short, and only the last window."""
+        order, starts, _ = self._micro_batches(epoch)
         return np.split(order, starts[1:])
 
     def plan(self, epoch: int, rank: int) -> RankPlan:
@@ -170,38 +174,49 @@ class GlobalBatchSampler(Sampler[list[int]]):
             for plan in plans:
                 yield plan[batch]
 
-    def _ordered(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every example once, global batch after global batch, and where each batch starts."""
-        count, size = len(self.lengths), self.global_batch_size
+    def _windows(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every example once, window after window, and where each window starts."""
+        count, size = len(self.lengths), self.global_batch_size * self.accumulation_steps
         generator = torch.Generator().manual_seed(self.seed + epoch)
         order = torch.randperm(count, generator=generator).numpy()
         if self.group_by_length:
-            # Sort within mega-batches of 50 global batches: close to fully sorted batches, while which
-            # examples share a mega-batch still changes every epoch.
+            # Sort within mega-batches of 50 windows: close to fully sorted windows, while which examples share
+            # a mega-batch still changes every epoch.
             order = order[_longest_first_within(np.arange(count) // (size * 50), self.lengths[order])]
         starts = np.arange(0, count, size)
         full = torch.randperm(len(starts) - 1, generator=generator).numpy()
         if self.group_by_length and len(full):
-            # The longest batch first, as transformers' LengthGroupedSampler does: running out of memory
+            # The longest window first, as transformers' LengthGroupedSampler does: running out of memory
             # shows at the first step instead of hours in, and memory is at its peak from the start.
             longest = int(np.argmax(np.maximum.reduceat(self.lengths[order], starts)[full]))
             full = np.concatenate([full[longest:longest + 1], np.delete(full, longest)])
-        batches = np.concatenate([full, [len(starts) - 1]])  # the last, perhaps short, batch stays last
-        sizes = np.diff(np.append(starts, count))[batches]
-        # Gather the batches in their new order: each example's position in the sorted order.
-        positions = np.repeat(starts[batches] - np.cumsum(sizes) + sizes, sizes) + np.arange(count)
+        windows = np.concatenate([full, [len(starts) - 1]])  # the last, perhaps short, window stays last
+        sizes = np.diff(np.append(starts, count))[windows]
+        # Gather the windows in their new order: each example's position in the sorted order.
+        positions = np.repeat(starts[windows] - np.cumsum(sizes) + sizes, sizes) + np.arange(count)
         return order[positions], np.cumsum(sizes) - sizes
 
+    def _micro_batches(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(order, where each micro-batch starts, each micro-batch's window)``: windows cut into micro-batches
+        of per-device batch x world size, each dealt longest first."""
+        order, window_starts = self._windows(epoch)
+        count, size = len(order), self.global_batch_size
+        per_window = -(-np.diff(np.append(window_starts, count)) // size)
+        first_of_window = np.cumsum(per_window) - per_window
+        window_of_batch = np.repeat(np.arange(len(window_starts)), per_window)
+        within = np.arange(per_window.sum()) - first_of_window[window_of_batch]
+        starts = window_starts[window_of_batch] + within * size
+        if not self.group_by_length:  # (grouped windows are slices of a mega-batch sorted that way already)
+            batch_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, count)))
+            order = order[_longest_first_within(batch_of, self.lengths[order])]
+        return order, starts, window_of_batch
+
     def _rank_plans(self, epoch: int, ranks) -> list[RankPlan]:
-        order, starts = self._ordered(epoch)
+        order, starts, window_of_batch = self._micro_batches(epoch)
         count, world = len(order), self.num_replicas
         batch_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, count)))
-        # Deal longest-first round-robin so each rank's share has a similar length profile. (Grouped batches
-        # are slices of a mega-batch sorted that way already.)
-        if not self.group_by_length:
-            order = order[_longest_first_within(batch_of, self.lengths[order])]
+        # Deal longest-first round-robin so each rank's share has a similar length profile.
         dealt_to = (np.arange(count) - starts[batch_of]) % world
-        window_of_batch = np.arange(len(starts)) // self.accumulation_steps
         window_units = np.bincount(window_of_batch[batch_of], weights=self.loss_units[order])
         # Units of zero (an example with nothing to train) cannot happen: tasks refuse such examples.
         scale = world / window_units[window_of_batch]

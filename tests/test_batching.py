@@ -130,27 +130,26 @@ def test_default_dataset_is_deterministic_varied_and_named():
 
 
 def plan_in_python(lengths, batch, world, seed, epoch, group, accumulation, units):
-    """The epoch plan as finetune planned it in Python lists before numpy: every rank's ``(indices, num_real, units,
-    loss_scale)`` per batch. The numpy sampler must give exactly this."""
+    """The epoch plan written out in Python lists: every rank's ``(indices, num_real, units, loss_scale)`` per
+    micro-batch. With one micro-step per window it is the plan finetune made before numpy; the numpy sampler
+    must give exactly this."""
     generator = torch.Generator().manual_seed(seed + epoch)
     order = torch.randperm(len(lengths), generator=generator).tolist()
-    size = batch * world
+    size = batch * world * accumulation
     if group:
         mega = size * 50
         order = [i for start in range(0, len(order), mega)
                  for i in sorted(order[start:start + mega], key=lambda i: -lengths[i])]
-    batches = [order[start:start + size] for start in range(0, len(order), size)]
-    full = [batches[i] for i in torch.randperm(len(batches) - 1, generator=generator).tolist()]
+    windows = [order[start:start + size] for start in range(0, len(order), size)]
+    full = [windows[i] for i in torch.randperm(len(windows) - 1, generator=generator).tolist()]
     if group and full:
-        longest = max(range(len(full)), key=lambda b: max(lengths[i] for i in full[b]))
+        longest = max(range(len(full)), key=lambda w: max(lengths[i] for i in full[w]))
         full.insert(0, full.pop(longest))
-    batches = full + batches[-1:]
     plans = [[] for _ in range(world)]
-    for start in range(0, len(batches), accumulation):
-        window = batches[start:start + accumulation]
-        scale = world / sum(units[i] for b in window for i in b)
-        for global_batch in window:
-            by_length = sorted(global_batch, key=lambda i: -lengths[i])
+    for window in full + windows[-1:]:
+        scale = world / sum(units[i] for i in window)
+        for start in range(0, len(window), batch * world):
+            by_length = sorted(window[start:start + batch * world], key=lambda i: -lengths[i])
             for rank in range(world):
                 share = by_length[rank::world]
                 plans[rank].append((share, len(share), sum(units[i] for i in share), scale) if share
@@ -175,6 +174,26 @@ def test_the_numpy_plan_is_the_python_plan(seed):
             assert planned == expected[rank]
             resumed_at = len(planned) // 2
             assert [list(b) for b in sampler.plan(epoch, rank)[resumed_at:]] == [b[0] for b in planned[resumed_at:]]
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_an_optimizer_step_takes_the_same_examples_however_its_global_batch_is_split(group):
+    lengths, units = lengths_with_a_long_tail(count=203), [n // 3 + 1 for n in lengths_with_a_long_tail(count=203)]
+
+    def steps(batch, world, accumulation):
+        sampler = GlobalBatchSampler(lengths, batch, world, seed=3, group_by_length=group,
+                                     accumulation_steps=accumulation, loss_units=units)
+        plans = [list(sampler.plan(1, rank)) for rank in range(world)]
+        micro = [[i for plan in plans for i in plan[b][:plan[b].num_real]] for b in range(len(plans[0]))]
+        scales = [plans[0][b].loss_scale / world for b in range(len(plans[0]))]  # each unit's weight after DDP
+        return [(sorted(sum(micro[s:s + accumulation], [])), scales[s])
+                for s in range(0, len(micro), accumulation)]
+
+    reference = steps(16, 1, 1)
+    for batch, world, accumulation in [(8, 2, 1), (4, 2, 2), (8, 1, 2), (2, 4, 2), (4, 1, 4)]:
+        examples, weights = zip(*steps(batch, world, accumulation), strict=True)
+        assert list(examples) == [step[0] for step in reference]
+        assert list(weights) == pytest.approx([step[1] for step in reference], rel=1e-12)
 
 
 def test_the_sampler_starts_a_resumed_epoch_where_it_stopped():

@@ -116,10 +116,13 @@ def test_a_stopped_fsdp_run_resumes_on_one_process_and_back_on_two_as_if_never_s
 @pytest.mark.multiprocess
 def test_a_ddp_checkpoint_resumes_on_one_process_and_back_on_two(parity_runs, small_data, no_dropout_model,
                                                                   tmp_path):
+    """2 processes x batch 4 x accumulation 2 stop; 1 process x batch 4 x accumulation 4 (the same global batch of
+    16, split into twice the micro-steps) continues, and 2 x 4 x 2 continues that."""
     reference = parity_runs("torchrun", 2, 4)
     one, two = tmp_path / "one", tmp_path / "two"
-    run(python_cmd(*parity_flags(small_data, no_dropout_model, 8), "--checkpointing_steps", "5", "--output_dir",
-                   str(one), "--resume_from_checkpoint", str(reference / "checkpoints" / "step_4")))
+    run(python_cmd(*parity_flags(small_data, no_dropout_model, 4), "--gradient_accumulation_steps", "4",
+                   "--checkpointing_steps", "5", "--output_dir", str(one),
+                   "--resume_from_checkpoint", str(reference / "checkpoints" / "step_4")))
     run(torchrun_cmd(*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(two),
                      "--resume_from_checkpoint", str(one / "checkpoints" / "step_5")))
     assert [read_results(out)["world_size"] for out in (one, two)] == [1, 2]
