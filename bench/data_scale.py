@@ -146,7 +146,8 @@ def launch(recipe: str, flags: list[str], scratch: Path, launcher: str = "torchr
         raise RuntimeError(f"{' '.join(command)} {recipe} exited {process.returncode}:\n{output[-4000:]}")
     ranks = [json.loads((reports / f"rank{rank}.json").read_text()) for rank in range(2)]
     return {"wall_seconds": time.time() - started,
-            "launch_to_first_step_seconds": max(r["step_times"][0] for r in ranks) - started,
+            "launch_to_first_step_seconds": max(r["step_times"][0] if r["step_times"] else float("nan")
+                                                for r in ranks) - started,
             "peak_rss_mib_probe": max(r["peak_rss_mib"] for r in ranks), **{f"peak_{k}": v for k, v in memory.items()},
             "output": output}
 

@@ -9,6 +9,7 @@ those character spans onto tokens.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 
@@ -118,8 +119,11 @@ def tokenize_conversations(split: datasets.Dataset, tokenizer: PreTrainedTokeniz
                             return_attention_mask=False)
         out = {"input_ids": [], "labels": []}
         for ids, offsets, (_, spans) in zip(encoded["input_ids"], encoded["offset_mapping"], rendered, strict=True):
-            labels = [token if any(start <= begin < end for start, end in spans) else IGNORE
-                      for token, (begin, _) in zip(ids, offsets, strict=True)]
+            starts = [begin for begin, _ in offsets]  # tokens come in text order: their starts never decrease
+            labels = [IGNORE] * len(ids)
+            for start, end in spans:  # the tokens that start within a reply train
+                first, last = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)
+                labels[first:last] = ids[first:last]
             labels[0] = IGNORE  # the first token has nothing before it to predict it from
             out["input_ids"].append(ids[:max_length])
             out["labels"].append(labels[:max_length])

@@ -119,7 +119,8 @@ def test_trained_tokens_are_where_rendering_every_turn_puts_them(tokenizer, tmp_
     the trained positions stay exactly where they were."""
     follow_up = [*TWO_TURNS, {"role": "user", "content": "One more: order 43? ünïcödé ✓ 日本"}]
     emoji = [{"role": "user", "content": "Hi 👋"}, {"role": "assistant", "content": "Hello! 👋 How can I help?"}]
-    conversations = [*make_support_conversations()["train"]["messages"], TWO_TURNS, follow_up, emoji]
+    spaces = [{"role": "user", "content": "  \n\n "}, {"role": "assistant", "content": "\n  ok \t\n\n  "}]
+    conversations = [*make_support_conversations()["train"]["messages"], TWO_TURNS, follow_up, emoji, spaces]
     dataset = tokenize_chats(conversations, tokenizer, tmp_path)
     for row, messages in enumerate(conversations):
         ids, labels = labels_rendering_each_turn_twice(messages, tokenizer)
