@@ -6,6 +6,8 @@ import torch
 import transformers
 
 from finetune.chat import IGNORE
+from finetune.ddp import all_reduce_max
+from finetune.fsdp import is_sharded
 
 __all__ = ["greedy_replies", "language_model_collators", "token_losses"]
 
@@ -49,17 +51,23 @@ def greedy_replies(model, index: torch.Tensor, prompts: list[list[int]], tokeniz
     Example ``i`` gets a reply when ``i < len(prompts)`` (``prompts[i]``, token ids); every other row, and each
     reply from its end-of-turn token on, is ``IGNORE``. The prompts are left-padded into one batch.
     """
-    wanted = [(row, i) for row, i in enumerate(index.tolist()) if i < len(prompts)]
-    if not wanted:
+    examples = index.tolist()
+    rows = [row for row, i in enumerate(examples) if i < len(prompts)]
+    chosen = [prompts[examples[row]] for row in rows]
+    if is_sharded(model) and prompts:
+        # Each forward of a sharded model gathers weights from every process, so all must run as many: while
+        # any process has prompts in this batch, one with none decodes a stand-in (generate keeps them in step).
+        if not int(all_reduce_max(torch.tensor(len(rows), device=index.device))):
+            return torch.full((len(index), 1), IGNORE, device=index.device)
+        chosen = chosen or prompts[:1]
+    elif not rows:
         return torch.full((len(index), 1), IGNORE, device=index.device)
-    longest = max(len(prompts[i]) for _, i in wanted)
+    longest = max(len(prompt) for prompt in chosen)
     pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (longest - len(prompts[i])) + prompts[i] for _, i in wanted], device=index.device)
-    mask = torch.tensor([[0] * (longest - len(prompts[i])) + [1] * len(prompts[i]) for _, i in wanted],
-                        device=index.device)
+    ids = torch.tensor([[pad] * (longest - len(prompt)) + prompt for prompt in chosen], device=index.device)
+    mask = torch.tensor([[0] * (longest - len(prompt)) + [1] * len(prompt) for prompt in chosen], device=index.device)
     generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                               pad_token_id=pad)[:, longest:]
+                               pad_token_id=pad)[:len(rows), longest:]
     replies = torch.full((len(index), generated.shape[1]), IGNORE, device=index.device)
-    replies[[row for row, _ in wanted]] = generated.masked_fill((generated == tokenizer.eos_token_id).cumsum(1) > 0,
-                                                                IGNORE)
+    replies[rows] = generated.masked_fill((generated == tokenizer.eos_token_id).cumsum(1) > 0, IGNORE)
     return replies

@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 
@@ -55,6 +56,7 @@ __all__ = [
     "prune_checkpoints",
     "read_progress",
     "resolve_resume_checkpoint",
+    "resumed_progress",
     "save_model",
     "verify_checkpoint",
     "write_final_model",
@@ -87,6 +89,18 @@ class Progress:
     # Which run and launch wrote the checkpoint (see the module's docstring); "" in checkpoints from before.
     run_id: str = ""
     launch_id: str = ""
+    per_device_train_batch_size: int | None = None
+    """None in a checkpoint written before the batch was recorded."""
+    gradient_accumulation_steps: int | None = None
+
+    @property
+    def global_batch_size(self) -> int:
+        """Examples per optimizer step: per-device batch x processes x accumulation."""
+        return self.per_device_train_batch_size * self.world_size * self.gradient_accumulation_steps
+
+    def describe_batch(self) -> str:
+        return (f"{self.global_batch_size} ({self.per_device_train_batch_size} per device x {self.world_size} "
+                f"process(es) x {self.gradient_accumulation_steps} accumulation step(s))")
 
 
 def disk_write_failure(err: BaseException) -> str | None:
@@ -137,6 +151,45 @@ def launch_id(env: LaunchEnvironment) -> str:
         return f"torchrun:{env.torchrun_run_id}"
     agent = psutil.Process().parent()  # torchrun's agent (or accelerate launch's), which restarts its workers
     return f"agent:{socket.gethostname()}:{agent.pid}:{agent.create_time()}" if agent else ""
+
+
+def resumed_progress(saved: Progress, run: Progress, folder: Path, batches_per_rank: int) -> Progress:
+    """Where ``run`` (a fresh ``Progress`` with this run's processes, batch and accumulation) continues the
+    checkpoint ``folder`` whose progress is ``saved``; ``batches_per_rank`` is this run's per epoch.
+
+    The plan of global batches depends on the global batch (per-device batch x processes x accumulation),
+    not on how it is split, so another world size resumes when the global batch is kept. The position in the
+    epoch, in micro-batches per process, carries over through the optimizer steps done.
+
+    Raises:
+        UserError: the global batch would change (the message names the per-device batch or accumulation
+            that keeps it), or another world size resumes a checkpoint that does not record its batch.
+    """
+    current = {"world_size": run.world_size, "runtime": run.runtime,
+               "per_device_train_batch_size": run.per_device_train_batch_size,
+               "gradient_accumulation_steps": run.gradient_accumulation_steps}
+    if saved.per_device_train_batch_size is None:
+        if saved.world_size != run.world_size:
+            raise UserError(f"{folder} was written by {saved.world_size} processes and this run has {run.world_size};"
+                            f" the checkpoint does not record its batch, so resume with {saved.world_size}")
+        return replace(saved, **current)
+    wanted = saved.global_batch_size
+    if run.global_batch_size != wanted:
+        per_process = run.world_size * run.gradient_accumulation_steps
+        ways = [f"--per_device_train_batch_size {wanted // per_process}"] if wanted % per_process == 0 else []
+        per_process = run.world_size * run.per_device_train_batch_size
+        ways += [f"--gradient_accumulation_steps {wanted // per_process}"] if wanted % per_process == 0 else []
+        if not ways and wanted % run.world_size == 0:
+            ways = [f"--per_device_train_batch_size {wanted // run.world_size} --gradient_accumulation_steps 1"]
+        fix = (f"with {run.world_size} process(es), pass {' or '.join(ways)}" if ways else
+               f"resume with a number of processes that divides {wanted}, such as {saved.world_size}")
+        raise UserError(f"{folder} was written with a global batch of {saved.describe_batch()} and this run's is "
+                        f"{run.describe_batch()}; the order of the data depends on it, so keep it: {fix}")
+    batches = saved.batches_in_epoch
+    if saved.gradient_accumulation_steps != run.gradient_accumulation_steps:
+        steps_done = math.ceil(batches / saved.gradient_accumulation_steps)
+        batches = min(steps_done * run.gradient_accumulation_steps, batches_per_rank)
+    return replace(saved, batches_in_epoch=batches, **current)
 
 
 def _sha256_and_sync(path: Path) -> str:

@@ -25,6 +25,8 @@ class LaunchEnvironment:
     """Started by torchrun's agent (which ``accelerate launch`` also uses for several processes)."""
     accelerate: bool = False
     """Started by ``accelerate launch``, which sets ``ACCELERATE_*`` variables."""
+    accelerate_fsdp: bool = False
+    """``accelerate launch`` with an FSDP config (``ACCELERATE_USE_FSDP``)."""
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     agent_store: bool = False
@@ -52,6 +54,7 @@ class LaunchEnvironment:
             requeue_count=int(env.get("SLURM_RESTART_COUNT", "0")),
             torchrun="TORCHELASTIC_RUN_ID" in env,
             accelerate=any(key.startswith("ACCELERATE_") for key in env),
+            accelerate_fsdp=env.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", "29500")),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",

@@ -39,6 +39,7 @@ from finetune.checkpoint import (
     output_dir_lock,
     read_progress,
     resolve_resume_checkpoint,
+    resumed_progress,
     write_final_model,
 )
 from finetune.config import TrainConfig
@@ -49,6 +50,7 @@ from finetune.hub import HubPusher, download_last_checkpoint, model_card
 from finetune.launcher import make_runtime
 from finetune.models import optimizer_param_groups
 from finetune.preemption import StopSignals
+from finetune.prepared_data import load_or_build
 from finetune.runtime import Runtime, TrackerSettings
 from finetune.task import Task
 
@@ -57,6 +59,9 @@ __all__ = ["train"]
 CARD_HYPER_PARAMETERS = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
                          "num_train_epochs", "max_train_steps", "lr_scheduler_type", "num_warmup_steps",
                          "weight_decay", "max_grad_norm", "max_seq_length", "seed", "group_by_length")
+UNTRACKED_RESULTS = {"epoch", "global_step", "runtime", "world_size"}
+"""``all_results`` entries the trackers do not get at the end: the step, the set-up, and ``epoch``, which each
+logging interval records as the epoch's index."""
 
 
 def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
@@ -68,6 +73,9 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         UserError: bad input anywhere (data, flags, checkpoints, Hub access), or failed pushes under
             ``--hub_strict``.
     """
+    if cfg.prepare_only:
+        return _prepare_only(task, cfg)
+
     # -- where the run starts: a fresh output folder, or a checkpoint to continue from
     env = LaunchEnvironment.read()
     launch = launch_id(env)
@@ -80,7 +88,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             closing.enter_context(output_dir_lock(cfg.output_dir))
         check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
         stop = closing.enter_context(StopSignals())
-        runtime = closing.enter_context(make_runtime(cfg, _tracker_settings(task, cfg, task_options)))
+        runtime = closing.enter_context(make_runtime(cfg, _tracker_settings(task, cfg, task_options, resume_from)))
         if found_in_folder:
             resume_from = _main_process_choice(runtime, resume_from, cfg.output_dir)
         set_seed(cfg.seed)
@@ -88,8 +96,11 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                         repo_id=cfg.hub_model_id, token=cfg.hub_token, private=cfg.hub_private_repo,
                         revision=cfg.hub_revision, strategy=cfg.hub_strategy, timeout=cfg.hub_timeout)
 
-        # -- data and model, from the task; training batches planned globally (see finetune.batching)
-        setup = task.setup(cfg)
+        # -- data (tokenized once into a cache every process memory-maps) and model, from the task; training
+        # batches planned globally (see finetune.prepared_data and finetune.batching)
+        tokenizer = task.load_tokenizer(cfg)
+        data = load_or_build(task, cfg, tokenizer, runtime)
+        setup = task.setup(cfg, tokenizer, data)
         sampler = GlobalBatchSampler(setup.train_set.lengths, cfg.per_device_train_batch_size, runtime.world_size,
                                      seed=cfg.seed, group_by_length=cfg.group_by_length,
                                      accumulation_steps=cfg.gradient_accumulation_steps,
@@ -109,24 +120,22 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         model, optimizer, scheduler, train_loader, eval_loader = runtime.prepare(
             setup.model, optimizer, scheduler, train_loader, eval_loader)
 
-        # -- resume: weights, optimizer, schedule, RNG and the position in the epoch (a fresh run gets an identity
-        # of its own, which only the main process records)
-        progress = Progress(world_size=runtime.world_size, runtime=runtime.name, seed=cfg.seed, run_id=uuid.uuid4().hex)
+        # -- resume: weights, optimizer, schedule, RNG and the position in the epoch, at another world size too
+        # when the global batch is kept (a fresh run gets an identity of its own, which only the main process records)
+        progress = Progress(world_size=runtime.world_size, runtime=runtime.name, seed=cfg.seed, run_id=uuid.uuid4().hex,
+                            per_device_train_batch_size=cfg.per_device_train_batch_size,
+                            gradient_accumulation_steps=cfg.gradient_accumulation_steps)
         if resume_from:
-            progress = read_progress(resume_from)
-            if progress.world_size != runtime.world_size:
-                raise UserError(
-                    f"{resume_from} was written by {progress.world_size} processes and this run has "
-                    f"{runtime.world_size}; the data order depends on it, so resume with {progress.world_size}")
+            progress = resumed_progress(read_progress(resume_from), progress, resume_from, sampler.batches_per_rank)
             runtime.load_state(resume_from)
             runtime.print(f"resumed from {resume_from} at step {progress.global_step}")
         progress.launch_id = launch
         if runtime.is_main_process:  # only now that the run has all it needs may it remove what it replaces
             clear_output_dir(cfg.output_dir, progress, cfg.overwrite_output_dir)
 
-        truncated = sum(length >= cfg.max_seq_length for length in sampler.lengths)
+        truncated = int((sampler.lengths >= cfg.max_seq_length).sum())
         runtime.print(
-            f"training {task.name} on {setup.data_source}: {len(setup.train_set)} examples ({truncated} cut "
+            f"training {task.name} on {data.source}: {len(setup.train_set)} examples ({truncated} cut "
             f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {max_steps} steps, {runtime.world_size} "
             f"process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU thread(s) each [{runtime.name}]")
 
@@ -155,7 +164,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             check_finite()
             folder = saved[progress.global_step] = runtime.save_checkpoint(cfg.output_dir, progress,
                                                                          cfg.checkpoints_total_limit)
-            hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, setup.tokenizer)
+            hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, tokenizer)
             return folder
 
         def stop_if_signalled() -> None:
@@ -197,7 +206,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                         scheduler.step()
                         optimizer.zero_grad()
                 if planned.num_real:
-                    real_tokens += sum(sampler.lengths[i] for i in planned)
+                    real_tokens += int(sampler.lengths[planned].sum())
                     processed_tokens += batch["input_ids"].numel()
                     interval_loss += loss.detach().float()
                     interval_units += planned.units
@@ -225,10 +234,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                     interval_loss.zero_()
                     interval_units = interval_examples = 0
                     last_log = now
-                    runtime.log(logs, step=progress.global_step)
-                    if runtime.is_main_process:
-                        with open(Path(cfg.output_dir) / LOG_HISTORY, "a") as f:
-                            f.write(json.dumps({"step": progress.global_step, **logs}) + "\n")
+                    _log_interval(runtime, cfg.output_dir, logs, progress.global_step)
                     progress_bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
                                              samples_per_s=f"{logs['samples_per_second']:.1f}")
                 if cfg.eval_steps and progress.global_step % cfg.eval_steps == 0:
@@ -270,8 +276,9 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             "world_size": runtime.world_size,
         }
         # (nothing non-finite gets here: the last step is always logged, which checks it first)
-        _save(runtime, task, cfg, model, setup, hub, results, eval_outputs)
+        _save(runtime, task, cfg, model, tokenizer, data.source, hub, results, eval_outputs)
         runtime.wait_for_save()
+        runtime.log({k: results[k] for k in results.keys() - metrics.keys() - UNTRACKED_RESULTS}, progress.global_step)
         runtime.print(f"saved the model to {cfg.output_dir}\n" + json.dumps(results, indent=2))
 
         # -- the end: only the main process waits for its uploads (bounded by --hub_timeout)
@@ -301,6 +308,13 @@ def _starting_checkpoint(cfg: TrainConfig, env: LaunchEnvironment, launch: str) 
     if spec and spec.startswith("hub:"):
         spec = str(download_last_checkpoint(spec, cfg.hub_revision, cfg.hub_token))
     return resolve_resume_checkpoint(spec, cfg.output_dir), restarted or spec == "latest"
+
+
+def _prepare_only(task: Task, cfg: TrainConfig) -> dict:
+    """``--prepare_only``: make the data cache if it is missing, and nothing else (no output folder, no model)."""
+    with make_runtime(cfg, tracking=None) as runtime:
+        load_or_build(task, cfg, task.load_tokenizer(cfg), runtime)
+    return {}
 
 
 def _main_process_choice(runtime: Runtime, chosen: Path | None, output_dir: str) -> Path | None:
@@ -358,8 +372,8 @@ def _concat_padded(tensors: list[torch.Tensor], pad_index: int = -100) -> torch.
     return torch.cat(tensors)
 
 
-def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, setup, hub: HubPusher, results: dict,
-          eval_outputs: tuple) -> None:
+def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, tokenizer, data_source: str, hub: HubPusher,
+          results: dict, eval_outputs: tuple) -> None:
     """The final model, ``all_results.json``, the predictions and the model card, written beside the output folder's
     contents and then moved over them (``write_final_model``); the final push of exactly those files."""
     state_dict = runtime.unwrapped_state_dict(model)
@@ -368,7 +382,7 @@ def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, setup, hub: Hub
         return
 
     def write(folder: Path) -> None:
-        task.save(runtime.unwrap(model), state_dict, setup.tokenizer, str(folder))
+        task.save(runtime.unwrap(model), state_dict, tokenizer, str(folder))
         _write_json(folder / "all_results.json", results)
         task.write_predictions(eval_outputs, str(folder))
         if cfg.push_to_hub:
@@ -376,7 +390,7 @@ def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, setup, hub: Hub
             base_model = None if local_model else cfg.model_name_or_path or task.card.default_base_model
             card = model_card(base_model=base_model, task=task.card,
                               recipe=task.name, repo_id=hub.repo_id, title=Path(cfg.output_dir).name,
-                              data_source=setup.data_source, results=results, command=sys.argv, token=hub.token,
+                              data_source=data_source, results=results, command=sys.argv, token=hub.token,
                               hyper_parameters={name: getattr(cfg, name) for name in CARD_HYPER_PARAMETERS})
             card.save(str(folder / "README.md"))
 
@@ -395,10 +409,20 @@ def _write_json(path: Path, values: dict) -> None:
         json.dump(values, f, indent=2)
 
 
-def _tracker_settings(task: Task, cfg: TrainConfig, task_options) -> TrackerSettings | None:
-    if not cfg.with_tracking:
+def _log_interval(runtime: Runtime, output_dir: str, logs: dict[str, float], step: int) -> None:
+    """An interval's metrics to the trackers and to ``log_history.jsonl``."""
+    runtime.log(logs, step=step)
+    if runtime.is_main_process:
+        with open(Path(output_dir) / LOG_HISTORY, "a") as f:
+            f.write(json.dumps({"step": step, **logs}) + "\n")
+
+
+def _tracker_settings(task: Task, cfg: TrainConfig, task_options, resume_from: Path | None) -> TrackerSettings | None:
+    """What the trackers record of this run (the flags and the recipe's options, never the Hub token), and as
+    which run: the one ``resume_from`` recorded, if any."""
+    if not cfg.trackers:
         return None
     options = {**dataclasses.asdict(cfg), **(dataclasses.asdict(task_options) if task_options else {})}
     tracked = {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool)) and k != "hub_token"}
-    return TrackerSettings(report_to=cfg.report_to, project=task.name,
-                           logging_dir=os.path.join(cfg.output_dir, "runs"), config=tracked)
+    return TrackerSettings.for_run(cfg.trackers, project=task.name, output_dir=cfg.output_dir, run_name=cfg.run_name,
+                                   config=tracked, resume_from=resume_from, secret=cfg.hub_token)

@@ -16,6 +16,7 @@ from finetune.checkpoint import (
     prune_checkpoints,
     read_progress,
     resolve_resume_checkpoint,
+    resumed_progress,
     verify_checkpoint,
     write_final_model,
     write_manifest,
@@ -221,3 +222,40 @@ def test_the_final_model_replaces_the_old_only_once_complete(tmp_path):
         "model.safetensors": "new model.safetensors", "merged/model.safetensors": "new merged/model.safetensors",
         "notes.txt": "old notes.txt"}
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "merged", "model.safetensors", "notes.txt"]
+
+
+def progress(world_size, batch, accumulation, **position):
+    return Progress(world_size=world_size, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                    runtime="ddp", **position)
+
+
+def test_another_world_size_resumes_when_the_global_batch_is_kept(tmp_path):
+    saved = progress(2, 4, 2, global_step=5, epoch=1, batches_in_epoch=4, seed=7)
+    resumed = resumed_progress(saved, progress(1, 8, 2), tmp_path, batches_per_rank=6)
+    assert resumed == progress(1, 8, 2, global_step=5, epoch=1, batches_in_epoch=4, seed=7)
+    # Another split of the same 16 examples a step: the position carries over in optimizer steps (2 done).
+    assert resumed_progress(saved, progress(2, 8, 1), tmp_path, batches_per_rank=3).batches_in_epoch == 2
+    assert resumed_progress(saved, progress(1, 4, 4), tmp_path, batches_per_rank=11).batches_in_epoch == 8
+    # At the end of an epoch with a short last window, the end of the epoch in the new split.
+    end = progress(1, 4, 4, global_step=3, batches_in_epoch=11)
+    assert resumed_progress(end, progress(2, 8, 1), tmp_path, batches_per_rank=3).batches_in_epoch == 3
+
+
+@pytest.mark.parametrize(("run", "advice"), [
+    (progress(1, 4, 2), "with 1 process(es), pass --per_device_train_batch_size 8 or --gradient_accumulation_steps 4"),
+    (progress(4, 8, 1), "with 4 process(es), pass --per_device_train_batch_size 4"),
+    (progress(4, 3, 3), "with 4 process(es), pass --per_device_train_batch_size 4 --gradient_accumulation_steps 1"),
+    (progress(3, 4, 2), "resume with a number of processes that divides 16, such as 2"),
+])
+def test_a_changed_global_batch_is_refused_with_the_numbers_that_keep_it(tmp_path, run, advice):
+    with pytest.raises(UserError, match="written with a global batch of 16 \\(4 per device x 2 process\\(es\\) x 2 "
+                                        "accumulation step\\(s\\)\\)") as refused:
+        resumed_progress(progress(2, 4, 2), run, tmp_path, batches_per_rank=3)
+    assert str(refused.value).endswith(advice)
+
+
+def test_a_checkpoint_that_does_not_record_its_batch_resumes_only_at_its_world_size(tmp_path):
+    old = Progress(global_step=3, world_size=2, runtime="ddp")
+    assert resumed_progress(old, progress(2, 4, 1), tmp_path, batches_per_rank=3).per_device_train_batch_size == 4
+    with pytest.raises(UserError, match="written by 2 processes and this run has 1; the checkpoint does not record"):
+        resumed_progress(old, progress(1, 8, 1), tmp_path, batches_per_rank=3)

@@ -10,8 +10,10 @@ from conftest import (
     FAST_FLAGS,
     RECIPE,
     accelerate_cmd,
+    assert_same_training,
     assert_weights_match_a_parity_run,
     data_flags,
+    log_history,
     parity_flags,
     read_results,
     run,
@@ -21,24 +23,6 @@ from transformers import AutoModelForSequenceClassification
 
 pytestmark = pytest.mark.multiprocess
 METRICS = ("eval_accuracy", "eval_f1")
-
-
-def log_history(folder) -> list[dict]:
-    return [json.loads(line) for line in (folder / "log_history.jsonl").read_text().splitlines()]
-
-
-def assert_same_training(a, b) -> None:
-    """The same steps, the same gradient norm and loss at each step, and the same final weights.
-
-    Gradient norms are compared because AdamW normalises a uniform scale error in the gradient away:
-    the weights alone would not show it.
-    """
-    history_a, history_b = log_history(a), log_history(b)
-    assert [h["step"] for h in history_a] == [h["step"] for h in history_b] == list(range(1, 10))
-    for step_a, step_b in zip(history_a, history_b, strict=True):
-        assert step_b["grad_norm"] == pytest.approx(step_a["grad_norm"], rel=1e-5), (step_a, step_b)
-        assert step_b["loss"] == pytest.approx(step_a["loss"], rel=1e-5), (step_a, step_b)
-    assert_weights_match_a_parity_run(a, b)
 
 
 def test_torchrun_selects_raw_ddp_and_matches_accelerate(parity_runs):

@@ -70,14 +70,16 @@ def test_a_damaged_checkpoint_is_refused_by_name(small_data, tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_resuming_with_another_world_size_stops_with_the_reason(small_data, tmp_path):
+def test_resuming_with_another_global_batch_stops_with_the_numbers_to_use(small_data, tmp_path):
     out = tmp_path / "out"
     flags = training_flags(small_data, out)
     run([sys.executable, "recipes/classify.py", *flags, "--max_train_steps", "2"])
     result = run(torchrun_cmd(*flags, "--resume_from_checkpoint", str(out / "checkpoints" / "step_2")),
                  check=False)
     assert result.returncode != 0
-    assert "was written by 1 processes and this run has 2" in result.stderr
+    assert ("was written with a global batch of 8 (8 per device x 1 process(es) x 1 accumulation step(s)) and this "
+            "run's is 16 (8 per device x 2 process(es)") in result.stderr
+    assert "with 2 process(es), pass --per_device_train_batch_size 4" in result.stderr
     assert read_results(out)["global_step"] == 2, "the earlier run's results are untouched"
 
 

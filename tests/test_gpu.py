@@ -12,6 +12,9 @@ import sys
 import pytest
 import torch
 from conftest import REPO, free_port, max_weight_diff, read_results, run
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from finetune.checkpoint import verify_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -38,6 +41,11 @@ def test_the_classify_default_run_in_bf16_matches_the_cpu_accuracy(tmp_path):
     assert abs(read_results(tmp_path / "out")["eval_accuracy"] - CPU_DEFAULT_ACCURACY) <= 0.01
 
 
+def torchrun(script: str, *flags) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+            script, *flags]
+
+
 def test_raw_ddp_trains_two_processes_over_nccl(tmp_path):
     """One process per GPU in one NCCL group; on one GPU no group of two can form, so there is nothing to check."""
     gpus = torch.cuda.device_count()
@@ -51,12 +59,70 @@ def test_raw_ddp_trains_two_processes_over_nccl(tmp_path):
     assert "2 process(es) on cuda" in result.stdout
 
 
-def test_an_fsdp_run_saves_a_model_that_loads_and_predicts(tmp_path):
-    from transformers import pipeline
+def load_and_predict(folder) -> tuple[list[str], float]:
+    """The saved classifier, loaded in this process alone (no key missing or unexpected): its predicted label for
+    each example of the embedded validation set, in order, and its mean loss there."""
+    from finetune.default_dataset import LABEL_NAMES, make_support_tickets
 
-    run(accelerate("fsdp.yaml", CLASSIFY, "--max_train_steps", "20", "--output_dir", str(tmp_path / "out")))
-    classify = pipeline("text-classification", model=str(tmp_path / "out"), device=0)
-    assert classify("My parcel never arrived")[0]["label"] in {"billing", "technical", "shipping", "account"}
+    model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    model = model.cuda().eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    validation = make_support_tickets()["validation"]
+    labels = torch.tensor([model.config.label2id[LABEL_NAMES[i]] for i in validation["label"]], device="cuda")
+    logits = []
+    with torch.no_grad():
+        for start in range(0, len(validation), 64):
+            batch = tokenizer(validation["text"][start:start + 64], truncation=True, max_length=128, padding=True,
+                              return_tensors="pt").to("cuda")
+            logits.append(model(**batch).logits.float())
+    logits = torch.cat(logits)
+    loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    return [model.config.id2label[i] for i in logits.argmax(-1).tolist()], loss
+
+
+def test_an_fsdp_run_saves_a_model_that_loads_and_predicts(tmp_path):
+    """Accelerate's FSDP2 in float32, so that the model alone in one process must give what the sharded model gave
+    in the run's final evaluation: the same prediction for every validation example, the same loss."""
+    out = tmp_path / "out"
+    run(accelerate("fsdp.yaml", CLASSIFY, "--max_train_steps", "20", "--mixed_precision", "no", "--output_dir",
+                   str(out)))
+    predictions, loss = load_and_predict(out)
+    assert predictions == [json.loads(line)["prediction"] for line in (out / "eval_predictions.jsonl").open()]
+    assert loss == pytest.approx(read_results(out)["eval_loss"], abs=1e-4)
+
+
+FSDP_BF16 = {"accelerate": lambda *flags: accelerate("fsdp.yaml", CLASSIFY, *flags),  # bf16 is the config's
+             "torchrun": lambda *flags: torchrun(CLASSIFY, "--fsdp", "--bf16", *flags)}
+
+
+def test_fsdp_in_bf16_checkpoints_and_resumes_under_both_launchers_from_either_s_checkpoint(tmp_path,
+                                                                                             no_dropout_model):
+    """Each launcher trains 12 steps with a sharded checkpoint at step 6, which the other launcher resumes: both
+    launchers shard the same blocks with the same policy, so they log the same losses (dropout off: the same
+    arithmetic), and a resumed run ends where the run it continues does. The saved folders load whole."""
+    flags = ["--model_name_or_path", str(no_dropout_model), "--max_train_steps", "12", "--checkpointing_steps", "6",
+             "--logging_steps", "1"]
+    for launcher in FSDP_BF16:
+        run(FSDP_BF16[launcher](*flags, "--output_dir", str(tmp_path / launcher)), timeout=600)
+        verify_checkpoint(tmp_path / launcher / "checkpoints" / "step_6")
+        assert (tmp_path / launcher / "checkpoints" / "step_6" / "pytorch_model_fsdp_0" / "__0_0.distcp").is_file()
+    for written_by, resumed_by in (("accelerate", "torchrun"), ("torchrun", "accelerate")):
+        full, resumed = tmp_path / written_by, tmp_path / f"{resumed_by}_from_{written_by}"
+        result = run(FSDP_BF16[resumed_by](*flags, "--output_dir", str(resumed), "--resume_from_checkpoint",
+                                           str(full / "checkpoints" / "step_6")), timeout=600)
+        assert "resumed from" in result.stdout and read_results(resumed)["global_step"] == 12
+        assert read_results(resumed)["runtime"] == ("fsdp" if resumed_by == "torchrun" else "accelerate")
+        # bf16 compute and the GPU's run-to-run summation order: bounds, not equality.
+        losses = {h["step"]: h["loss"] for h in map(json.loads, (full / "log_history.jsonl").open())}
+        for h in map(json.loads, (resumed / "log_history.jsonl").open()):
+            assert h["loss"] == pytest.approx(losses[h["step"]], rel=1e-2), (h, losses[h["step"]])
+        assert max_weight_diff(full, resumed) <= 1e-3
+        model, info = AutoModelForSequenceClassification.from_pretrained(resumed, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+    history = {launcher: [json.loads(line)["loss"] for line in (tmp_path / launcher / "log_history.jsonl").open()]
+               for launcher in FSDP_BF16}
+    assert history["torchrun"] == pytest.approx(history["accelerate"], rel=1e-2)
 
 
 def log_history(folder) -> list[dict]:

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 from conftest import (
     REPO,
@@ -19,37 +18,13 @@ from conftest import (
     python_cmd,
     read_results,
     run,
+    start_and_signal,
+    stopped_step,
     torchrun_cmd,
 )
 
 from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
 from finetune.errors import STOPPED_EXIT_CODE
-
-
-def start_and_signal(command: list[str], sig: signal.Signals, target: str) -> tuple[int, str]:
-    """Start ``command``; once training starts, send ``sig`` to the launcher or to rank 1's worker."""
-    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in job.stdout:
-        lines.append(line)
-        if line.startswith("training classify on"):
-            break
-    else:
-        raise AssertionError("".join(lines[-40:]))
-    if target == "launcher":
-        job.send_signal(sig)
-    else:
-        workers = [p for p in psutil.Process(job.pid).children(recursive=True)
-                   if p.environ().get("RANK") == "1" and "classify.py" in " ".join(p.cmdline())]
-        assert len(workers) == 1, workers
-        workers[0].send_signal(sig)
-    rest, _ = job.communicate(timeout=300)
-    return job.returncode, "".join(lines) + rest
-
-
-def stopped_step(output: str, sig: signal.Signals) -> int:
-    line = next(line for line in output.splitlines() if line.startswith(f"stopped by {sig.name} at step "))
-    return int(line.split(" at step ")[1].split(":")[0])
 
 
 @pytest.mark.multiprocess
