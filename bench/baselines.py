@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +52,7 @@ from finetune.batching import GlobalBatchSampler  # noqa: E402
 from finetune.config import TrainConfig  # noqa: E402
 from finetune.default_tagged_tickets import make_tagged_tickets  # noqa: E402
 from finetune.models import default_model_path, optimizer_param_groups  # noqa: E402
+from finetune.prepared_data import Tokenizing, load_or_build  # noqa: E402
 from finetune.tagging import align_labels, encode_tags, entity_scores, first_pieces  # noqa: E402
 
 RECIPE = TrainConfig()  # the recipes' shared defaults, which every configuration uses
@@ -126,7 +128,9 @@ def loop_sft(train_jsonl: str, batch_size: int | None, device, bf16) -> None:
     if batch_size:
         flags += ["--per_device_train_batch_size", str(batch_size)]
     cfg, args = parse_config(recipe.SFTArguments, flags, defaults=recipe.DEFAULTS)
-    setup = recipe.SFTTask(args).setup(cfg)
+    task = recipe.SFTTask(args)
+    tokenizer = task.load_tokenizer(cfg)
+    setup = task.setup(cfg, tokenizer, load_or_build(task, cfg, tokenizer))
     batches = GlobalBatchSampler(setup.train_set.lengths, cfg.per_device_train_batch_size, 1, seed=SEED,
                                  group_by_length=True)
     hand_written_loop(setup.model, setup.train_set, CountingCollator(setup.collate), batches, device, bf16,
@@ -141,8 +145,11 @@ def trainer_ner(output_dir: str, seed: int) -> None:
     data = make_tagged_tickets()
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     names, train, validation = encode_tags(data["train"], data["validation"], "tokens", "ner_tags")
-    train_set, _, _ = align_labels(train, tokenizer, MAX_LENGTH, False, names)
-    eval_set, eval_word_ids, _ = align_labels(validation, tokenizer, MAX_LENGTH, False, names)
+    tokenizing = Tokenizing(Path(tempfile.mkdtemp(dir=output_dir)), workers=None)
+    train_set = align_labels(train, tokenizer, MAX_LENGTH, False, names, "train", tokenizing)
+    eval_set = align_labels(validation, tokenizer, MAX_LENGTH, False, names, "validation", tokenizing, keep_words=True)
+    eval_word_ids = eval_set["word_ids"]
+    train_set, eval_set = (rows.select_columns(["input_ids", "labels"]) for rows in (train_set, eval_set))
     model = AutoModelForTokenClassification.from_pretrained(
         default_model_path(), num_labels=len(names), id2label=dict(enumerate(names)),
         label2id={n: i for i, n in enumerate(names)})

@@ -10,7 +10,9 @@ The recipe runs unchanged; the hooks only observe. Every process writes ``rank<R
   recorded on the stream, so no synchronisation is added to the loop),
 - the examples, real tokens and padded tokens of every training batch, and when it was built, in order,
 - how many gradient all-reduces DDP launched by the end of each optimizer step (a counting comm hook),
-- the process's peak resident memory, and on CUDA the peak of memory allocated on the GPU.
+- the process's peak resident memory, and on CUDA the peak of memory allocated on the GPU,
+- the bytes of the weights that train, their gradients and the optimizer's state that this process holds at its
+  first optimizer step (its own shards only, under FSDP).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ _cuda_events: list = []
 _batches: list[tuple[int, int, int, float]] = []
 _all_reduces = [0]
 _all_reduces_at_step: list[int] = []
+_state_bytes: dict[str, int] = {}
 
 
 def record_batch(batch: dict, num_real: int) -> None:
@@ -46,7 +49,20 @@ def record_batch(batch: dict, num_real: int) -> None:
         _batches.append((num_real, int(batch["input_ids"].numel()), int(batch["input_ids"].numel()), time.time()))
 
 
+def _held_bytes(tensor) -> int:
+    """Bytes of ``tensor`` in this process: a DTensor's local shard only."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    if not _state_bytes:  # before zero_grad, with the state the first step allocated
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        _state_bytes.update(
+            weights=sum(_held_bytes(p) for p in params),
+            gradients=sum(_held_bytes(p.grad) for p in params if p.grad is not None),
+            optimizer=sum(_held_bytes(t) for p in params for t in optimizer.state[p].values()
+                          if isinstance(t, torch.Tensor)))
     _steps.append(time.time())
     _all_reduces_at_step.append(_all_reduces[0])
     if torch.cuda.is_available():
@@ -85,6 +101,7 @@ def _write_report() -> None:
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if _cuda_events else float("nan"),
         "threads": torch.get_num_threads(),
+        "state_bytes": _state_bytes,
     }
     path = os.path.join(os.environ["BENCH_REPORT_DIR"], f"rank{report['rank']}.json")
     with open(path, "w") as f:

@@ -26,6 +26,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from finetune.prepared_data import load_or_build  # noqa: E402
+
 
 def base_model_metrics() -> dict:
     spec = importlib.util.spec_from_file_location("sft_recipe", REPO / "recipes" / "sft.py")
@@ -33,7 +35,8 @@ def base_model_metrics() -> dict:
     spec.loader.exec_module(recipe)
     cfg, args = recipe.parse_config(recipe.SFTArguments, ["--no_use_lora"], defaults=recipe.DEFAULTS)
     task = recipe.SFTTask(args)
-    setup = task.setup(cfg)
+    tokenizer = task.load_tokenizer(cfg)
+    setup = task.setup(cfg, tokenizer, load_or_build(task, cfg, tokenizer))
     batch = setup.eval_collate([setup.eval_set[i] for i in range(len(setup.eval_set))])
     with torch.no_grad():
         metrics = task.metrics(task.eval_outputs(setup.model.eval(), batch))

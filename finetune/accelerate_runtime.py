@@ -9,12 +9,15 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.utils import DistributedType, ProjectConfiguration
 from safetensors.torch import load_file
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import DataLoader
 
 from finetune.batching import GlobalBatchSampler
 from finetune.ddp import init_distributed
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
+from finetune.fsdp import clip_grad_norm_, full_state_dict, generate_in_lockstep, transformer_block_classes
+from finetune.fsdp_runtime import load_sharded_state, save_sharded_state
 from finetune.runtime import Runtime, TrackerSettings, load_trainable_state, own_generator, trainable_state_dict
 
 __all__ = ["AccelerateRuntime"]
@@ -44,9 +47,7 @@ class AccelerateRuntime(Runtime):
             step_scheduler_with_optimizer=False,
             dataloader_config=DataLoaderConfiguration(even_batches=True),
             kwargs_handlers=[InitProcessGroupKwargs(timeout=ddp_timeout)],
-            log_with=tracking.report_to if tracking else None,
-            project_config=ProjectConfiguration(project_dir=project_dir,
-                                                logging_dir=tracking.logging_dir if tracking else None),
+            project_config=ProjectConfiguration(project_dir=project_dir),
         )
         if self.accelerator.num_processes != env.world_size:
             raise UserError(
@@ -55,14 +56,24 @@ class AccelerateRuntime(Runtime):
         self.world_size = self.accelerator.num_processes
         self.rank = self.accelerator.process_index
         self.device = self.accelerator.device
-        if tracking:
-            self.accelerator.init_trackers(tracking.project, config=tracking.config)
+        if self.accelerator.distributed_type == DistributedType.FSDP and not self.shards:
+            raise UserError("the accelerate config asks for FSDP version 1; set fsdp_version: 2 in its fsdp_config")
+        if self.shards and self.accelerator.mixed_precision == "bf16":
+            # Accelerate's policy would also reduce gradients in bf16; in float32, as torchrun --fsdp does.
+            self.accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        self._prepared = ()
+        self._start_tracking(tracking)
         self.accelerator.register_save_state_pre_hook(self._save_trainable_only)
         self.accelerator.register_load_state_pre_hook(self._load_trainable_only)
 
+    @property
+    def shards(self) -> bool:
+        return getattr(self.accelerator, "is_fsdp2", False)  # an older Accelerate has no FSDP2
+
     def _save_trainable_only(self, models, weights, output_dir):
         # Checkpoints hold only the weights that train, under the unwrapped names (as the raw-DDP runtime).
-        # FSDP and DeepSpeed save sharded states their own way, and keep doing so.
+        # DeepSpeed saves sharded states its own way, and keeps doing so.
         if self._shards_itself():
             return
         weights[:] = [trainable_state_dict(self.accelerator.unwrap_model(model)) for model in models]
@@ -89,7 +100,15 @@ class AccelerateRuntime(Runtime):
                           generator=own_generator(self.seed))
 
     def prepare(self, model, optimizer, scheduler, *loaders):
-        return self.accelerator.prepare(model, optimizer, scheduler, *loaders)
+        if self.shards and self.accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap is None:
+            # Accelerate shards the input embeddings on their own after the blocks, and fails when a block it
+            # wrapped holds them (BERT's embedding layer is in _no_split_modules): the blocks as torchrun --fsdp.
+            self.accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = transformer_block_classes(model)
+        prepared = self.accelerator.prepare(model, optimizer, scheduler, *loaders)
+        if self.shards:
+            generate_in_lockstep(prepared[0])
+            self._prepared = (prepared[0], optimizer, scheduler)  # the optimizer now steps the shards
+        return prepared
 
     def epoch_batches(self, train_loader, epoch, skip_batches=0):
         # The prepared loader re-applies its own epoch counter to an unsharded sampler on every pass, so
@@ -113,6 +132,8 @@ class AccelerateRuntime(Runtime):
         self.accelerator.backward(loss * self.accelerator.gradient_accumulation_steps)
 
     def clip_grad_norm_(self, model, max_norm):
+        if self.shards:  # the norm as a plain tensor, as the loop reads it (Accelerate's is a DTensor)
+            return clip_grad_norm_(model, max_norm)
         return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
 
     def gather_for_metrics(self, tensors, pad_index=-100):
@@ -130,16 +151,21 @@ class AccelerateRuntime(Runtime):
         return self.accelerator.unwrap_model(model)
 
     def unwrapped_state_dict(self, model):
+        if self.shards:  # every weight whole, a LoRA adapter too (not the main process's slice: accelerate #4206)
+            return full_state_dict(model)
         return self.accelerator.get_state_dict(model)
 
     def _save_state(self, folder):
-        self.accelerator.save_state(str(folder))
+        if self.shards:  # the same sharded checkpoint as torchrun --fsdp, so that either resumes the other's
+            save_sharded_state(folder, *self._prepared, self.rank)
+        else:
+            self.accelerator.save_state(str(folder))
 
     def _load_state(self, folder):
-        self.accelerator.load_state(str(folder))
-
-    def log(self, values, step):
-        self.accelerator.log(values, step=step)
+        if self.shards:
+            load_sharded_state(folder, *self._prepared, self.rank)
+        else:
+            self.accelerator.load_state(str(folder))
 
     def close(self):
         self.accelerator.end_training()

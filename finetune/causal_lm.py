@@ -19,8 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from finetune.chat import IGNORE
 from finetune.config import arg
-from finetune.ddp import unwrap
+from finetune.ddp import all_reduce_max, unwrap
 from finetune.errors import UserError
+from finetune.fsdp import is_sharded
 
 __all__ = ["CausalLMArguments", "check_output_layer", "greedy_replies", "label_log_probs",
            "language_model_collators", "split_by_tokens", "summed_log_probs"]
@@ -181,11 +182,14 @@ def _token_budget_groups(lengths: list[int], max_tokens: int) -> list[slice]:
 def summed_log_probs(model, batch: dict, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sums, counts)``: each row's label log-probabilities summed (float32) and how many labels it has, over
     forward passes of at most ``max_tokens`` tokens (``split_by_tokens``). For evaluation, under ``no_grad``."""
+    parts = list(split_by_tokens(batch, max_tokens))
     sums, counts = [], []
-    for part in split_by_tokens(batch, max_tokens):
-        log_probs, labels = label_log_probs(model, part)
+    for part in parts:
+        log_probs, labels = label_log_probs(model, dict(part))
         sums.append(log_probs.sum(1))
         counts.append((labels != IGNORE).sum(1))
+    for _ in range(_passes_behind(model, len(parts), batch["input_ids"].device)):
+        label_log_probs(model, dict(parts[0]))
     return torch.cat(sums), torch.cat(counts)
 
 
@@ -198,16 +202,29 @@ def greedy_replies(model, index: torch.Tensor, prompts: list[list[int]], tokeniz
     ``max_tokens`` tokens, counting each row's ``max_new_tokens`` (a longer row alone).
     """
     wanted = [(row, i) for row, i in enumerate(index.tolist()) if i < len(prompts)]
+    groups = [wanted[group] for group in
+              _token_budget_groups([len(prompts[i]) + max_new_tokens for _, i in wanted], max_tokens)]
+    if prompts:  # a process with fewer groups than another decodes a stand-in prompt (generate keeps each in step)
+        groups += [[(None, 0)]] * _passes_behind(model, len(groups), index.device)
     pad = tokenizer.pad_token_id
     replies = torch.full((len(index), max_new_tokens), IGNORE, device=index.device)
-    for group in _token_budget_groups([len(prompts[i]) + max_new_tokens for _, i in wanted], max_tokens):
-        rows, examples = zip(*wanted[group], strict=True)
+    for group in groups:
+        rows, examples = zip(*group, strict=True)
         longest = max(len(prompts[i]) for i in examples)
         ids = torch.tensor([[pad] * (longest - len(prompts[i])) + prompts[i] for i in examples], device=index.device)
         mask = torch.tensor([[0] * (longest - len(prompts[i])) + [1] * len(prompts[i]) for i in examples],
                             device=index.device)
         generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                    do_sample=False, pad_token_id=pad)[:, longest:]
-        replies[list(rows), :generated.shape[1]] = generated.masked_fill(
-            (generated == tokenizer.eos_token_id).cumsum(1) > 0, IGNORE)
+        if rows[0] is not None:
+            replies[list(rows), :generated.shape[1]] = generated.masked_fill(
+                (generated == tokenizer.eos_token_id).cumsum(1) > 0, IGNORE)
     return replies
+
+
+def _passes_behind(model, passes: int, device: torch.device) -> int:
+    """How many forward passes this process must add to run as many as the process with the most: each forward
+    of a sharded model gathers weights from every process, so all must run the same number. 0 unsharded."""
+    if not is_sharded(model):
+        return 0
+    return int(all_reduce_max(torch.tensor(passes, device=device))) - passes

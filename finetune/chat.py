@@ -9,43 +9,56 @@ those character spans onto tokens.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
-from dataclasses import dataclass
 
 import datasets
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from finetune.batching import TokenizedDataset
+from finetune.batching import LOSS_UNITS
 from finetune.errors import UserError
+from finetune.prepared_data import TOKEN_IDS, Tokenizing
 
-__all__ = ["IGNORE", "ROLES", "GenerationPrompt", "generation_prompts", "read_conversations", "require_chat_template",
+__all__ = ["IGNORE", "ROLES", "conversation_layout", "read_conversations", "require_chat_template",
            "tokenize_conversations", "write_generations"]
 
 IGNORE = -100
 ROLES = ("system", "user", "assistant")
 
 
-def read_conversations(split: datasets.Dataset, name: str) -> list[list[dict]]:
-    """Each row as a list of ``{role, content}`` messages, from a ``messages`` column or from ``prompt`` and
-    ``completion`` columns (each a string or a list of messages).
+def conversation_layout(split: datasets.Dataset, name: str) -> tuple[str, ...]:
+    """The columns conversations come from: ``("messages",)`` (lists of ``{role, content}``), or ``("prompt",
+    "completion")`` (each a string or a list of messages).
 
     Raises:
-        UserError: neither column layout, an unknown role, content that is not text, an empty conversation
-            or one with no assistant turn; the message names the row.
+        UserError: neither layout.
     """
     columns = split.column_names
     if "messages" in columns:
-        rows = list(split["messages"])
-    elif "prompt" in columns and "completion" in columns:
-        rows = [_as_messages(prompt, "user") + _as_messages(completion, "assistant")
-                for prompt, completion in zip(split["prompt"], split["completion"], strict=True)]
+        return ("messages",)
+    if "prompt" in columns and "completion" in columns:
+        return ("prompt", "completion")
+    raise UserError(f"{name} data has no 'messages' column and no 'prompt' and 'completion' columns (columns: "
+                    f"{', '.join(columns)}); give conversations as a list of {{role, content}} messages")
+
+
+def read_conversations(batch: dict, rows: list[int], layout: tuple[str, ...], name: str) -> list[list[dict]]:
+    """A batch's rows as lists of ``{role, content}`` messages (``layout`` from ``conversation_layout``).
+
+    Raises:
+        UserError: an unknown role, content that is not text, an empty conversation or one with no assistant
+            turn; the message names the row.
+    """
+    if layout == ("messages",):
+        conversations = list(batch["messages"])
     else:
-        raise UserError(f"{name} data has no 'messages' column and no 'prompt' and 'completion' columns (columns: "
-                        f"{', '.join(columns)}); give conversations as a list of {{role, content}} messages")
-    for number, messages in enumerate(rows, start=1):
-        _check_conversation(messages, f"{name} row {number}")
-    return [[{"role": m["role"], "content": m["content"]} for m in messages] for messages in rows]
+        conversations = [_as_messages(prompt, "user") + _as_messages(completion, "assistant")
+                         for prompt, completion in zip(batch["prompt"], batch["completion"], strict=True)]
+    for row, messages in zip(rows, conversations, strict=True):
+        _check_conversation(messages, f"{name} row {row + 1}")
+    return [[{"role": m["role"], "content": m["content"]} for m in messages] for messages in conversations]
 
 
 def _as_messages(value, role: str) -> list[dict]:
@@ -83,34 +96,58 @@ def require_chat_template(tokenizer: PreTrainedTokenizerBase, template_file: str
         raise UserError(f"{model} has no chat template; give one with --chat_template FILE")
 
 
-def tokenize_conversations(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase, max_length: int,
-                           name: str) -> TokenizedDataset:
+def tokenize_conversations(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int, name: str,
+                           tokenizing: Tokenizing, generation_prompts: bool = False) -> datasets.Dataset:
     """Input ids cut to ``max_length``, labels on assistant tokens only, and the trained tokens of each row
     as its loss units.
 
+    With ``generation_prompts`` each row also keeps what asks a model for its last reply: ``prompt_ids`` (the
+    conversation before it rendered with the generation prompt), ``prompt_messages`` (those messages, as JSON),
+    ``reference`` (the reply) and ``index`` (the row).
+
     Raises:
-        UserError: the template does not render turn by turn, or rows have no trained token left after the cut.
+        UserError: a bad row (see ``read_conversations``), a template that does not render turn by turn, or rows
+            with no trained token left after the cut.
     """
-    columns = {"input_ids": [], "labels": []}
-    empty = []
-    for number, messages in enumerate(conversations, start=1):
-        text, spans = _render(messages, tokenizer, f"{name} row {number}")
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
-        labels = [token if any(start <= begin < end for start, end in spans) else IGNORE
-                  for token, (begin, _) in zip(ids, offsets, strict=True)]
-        labels[0] = IGNORE  # the first token has nothing before it to predict it from
-        ids, labels = ids[:max_length], labels[:max_length]
-        if all(label == IGNORE for label in labels):
-            empty.append(number)
-        columns["input_ids"].append(ids)
-        columns["labels"].append(labels)
+    layout = conversation_layout(split, name)
+
+    def encode(batch, rows):
+        conversations = read_conversations(batch, rows, layout, name)
+        rendered = [_render(messages, tokenizer, f"{name} row {row + 1}")
+                    for row, messages in zip(rows, conversations, strict=True)]
+        encoded = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True,
+                            return_attention_mask=False)
+        out = {"input_ids": [], "labels": []}
+        for ids, offsets, (_, spans) in zip(encoded["input_ids"], encoded["offset_mapping"], rendered, strict=True):
+            starts = [begin for begin, _ in offsets]  # tokens come in text order: their starts never decrease
+            labels = [IGNORE] * len(ids)
+            for start, end in spans:  # the tokens that start within a reply train
+                first, last = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)
+                labels[first:last] = ids[first:last]
+            labels[0] = IGNORE  # the first token has nothing before it to predict it from
+            out["input_ids"].append(ids[:max_length])
+            out["labels"].append(labels[:max_length])
+        if generation_prompts:
+            # The last reply's prompt is the text before its span: the conversation so far, with the generation prompt.
+            prompts = [text[:spans[-1][0]] for text, spans in rendered]
+            out["prompt_ids"] = tokenizer(prompts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+            last = [max(i for i, m in enumerate(messages) if m["role"] == "assistant") for messages in conversations]
+            out["prompt_messages"] = [json.dumps(messages[:i]) for messages, i in zip(conversations, last, strict=True)]
+            out["reference"] = [messages[i]["content"] for messages, i in zip(conversations, last, strict=True)]
+            out["index"] = rows
+        return out
+
+    features = {"input_ids": TOKEN_IDS, "labels": TOKEN_IDS}
+    if generation_prompts:
+        features.update(prompt_ids=TOKEN_IDS, prompt_messages=datasets.Value("string"),
+                        reference=datasets.Value("string"), index=datasets.Value("int32"))
+    tokenized = tokenizing.map(split, encode, name, features)
+    empty = (np.flatnonzero(tokenized.data.column(LOSS_UNITS).to_numpy() == 0) + 1).tolist()
     if empty:
         shown = ", ".join(map(str, empty[:10])) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
         raise UserError(f"{name} row(s) {shown}: no reply token is left within --max_seq_length {max_length}; "
                         "raise --max_seq_length or shorten those prompts")
-    units = [sum(label != IGNORE for label in labels) for labels in columns["labels"]]
-    return TokenizedDataset(columns, loss_units=units)
+    return tokenized
 
 
 def _render(messages: list[dict], tokenizer, where: str) -> tuple[str, list[tuple[int, int]]]:
@@ -121,7 +158,9 @@ def _render(messages: list[dict], tokenizer, where: str) -> tuple[str, list[tupl
         if message["role"] != "assistant":
             continue
         before = tokenizer.apply_chat_template(messages[:turn], tokenize=False, add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(messages[:turn + 1], tokenize=False)
+        # Through the final message is the whole conversation, rendered already.
+        through = text if turn + 1 == len(messages) else tokenizer.apply_chat_template(messages[:turn + 1],
+                                                                                       tokenize=False)
         if not (text.startswith(through) and through.startswith(before)):
             raise UserError(f"{where}: the chat template renders earlier turns differently once later ones follow, "
                             "so replies cannot be located by position; give --chat_template a template that "
@@ -130,31 +169,11 @@ def _render(messages: list[dict], tokenizer, where: str) -> tuple[str, list[tupl
     return text, spans
 
 
-@dataclass
-class GenerationPrompt:
-    """What asks a model for a conversation's last reply, and that reply."""
-
-    messages: list[dict]
-    """The conversation up to its last assistant turn."""
-    token_ids: list[int]
-    """``messages`` rendered with the generation prompt."""
-    reference: str
-
-
-def generation_prompts(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase
-                       ) -> list[GenerationPrompt]:
-    prompts = []
-    for messages in conversations:
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        text = tokenizer.apply_chat_template(messages[:last], tokenize=False, add_generation_prompt=True)
-        prompts.append(GenerationPrompt(messages[:last], tokenizer(text, add_special_tokens=False)["input_ids"],
-                                        messages[last]["content"]))
-    return prompts
-
-
-def write_generations(path: str, prompts: list[GenerationPrompt], generations: list[str]) -> None:
-    """``eval_generations.jsonl``: each prompt's messages, its reference reply and the generated one, in order."""
+def write_generations(path: str, rows: datasets.Dataset, generations: list[str]) -> None:
+    """``eval_generations.jsonl``: each prompt's messages, its reference reply and the generated one, in order
+    (``rows`` tokenized with ``generation_prompts``)."""
     with open(path, "w") as f:
-        for prompt, generation in zip(prompts, generations, strict=True):
-            f.write(json.dumps({"messages": prompt.messages, "reference": prompt.reference,
+        for messages, reference, generation in zip(rows["prompt_messages"], rows["reference"], generations,
+                                                   strict=True):
+            f.write(json.dumps({"messages": json.loads(messages), "reference": reference,
                                 "generation": generation}) + "\n")

@@ -4,16 +4,23 @@ Layout under ``OUTPUT_DIR``: the final model (a plain Hugging Face folder) at th
 states in ``checkpoints/step_N``. A checkpoint is written into ``step_N.partial``; once every file is
 there and flushed to disk, ``manifest.json`` (step, epoch, world size, seed, versions and a SHA-256 of
 each file) is written last and the folder is renamed into place. A folder named ``step_N`` with a
-manifest is complete, and it is used only if every checksum still matches.
+manifest is complete, and it is used only if every checksum still matches. The final model is written
+the same way, into ``.final.partial`` first.
+
+Each checkpoint names the run it belongs to (``Progress.run_id``: new at a fresh start, kept by every
+resume) and the launch that wrote it (``Progress.launch_id``): pruning and ``--overwrite_output_dir`` keep
+to the run, and a launcher's automatic restart resumes only from what its own launch wrote.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -21,14 +28,17 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 
 __all__ = [
@@ -36,15 +46,20 @@ __all__ = [
     "check_output_dir",
     "check_unwrapped",
     "checkpoint_path",
+    "clear_output_dir",
     "disk_write_failure",
     "find_latest_checkpoint",
+    "fsync_directory",
+    "launch_id",
     "load_state_dict_unwrapped",
     "output_dir_lock",
     "prune_checkpoints",
     "read_progress",
     "resolve_resume_checkpoint",
+    "resumed_progress",
     "save_model",
     "verify_checkpoint",
+    "write_final_model",
     "write_manifest",
     "write_progress",
 ]
@@ -54,6 +69,8 @@ logger = logging.getLogger(__name__)
 PROGRESS_FILE = "progress.json"
 MANIFEST_FILE = "manifest.json"
 LOCK_FILE = ".finetune.lock"
+LOG_HISTORY = "log_history.jsonl"
+FINAL_PARTIAL = ".final.partial"
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -69,6 +86,21 @@ class Progress:
     world_size: int = 1
     runtime: str = ""
     seed: int = 0
+    # Which run and launch wrote the checkpoint (see the module's docstring); "" in checkpoints from before.
+    run_id: str = ""
+    launch_id: str = ""
+    per_device_train_batch_size: int | None = None
+    """None in a checkpoint written before the batch was recorded."""
+    gradient_accumulation_steps: int | None = None
+
+    @property
+    def global_batch_size(self) -> int:
+        """Examples per optimizer step: per-device batch x processes x accumulation."""
+        return self.per_device_train_batch_size * self.world_size * self.gradient_accumulation_steps
+
+    def describe_batch(self) -> str:
+        return (f"{self.global_batch_size} ({self.per_device_train_batch_size} per device x {self.world_size} "
+                f"process(es) x {self.gradient_accumulation_steps} accumulation step(s))")
 
 
 def disk_write_failure(err: BaseException) -> str | None:
@@ -97,6 +129,67 @@ def write_progress(folder: Path, progress: Progress) -> None:
 
 def read_progress(folder: Path) -> Progress:
     return Progress(**json.loads((Path(folder) / PROGRESS_FILE).read_text()))
+
+
+def _written_by(folder: Path) -> Progress | None:
+    """The progress a checkpoint recorded, or None when it cannot be read (then it counts as no run's)."""
+    try:
+        return read_progress(folder)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def launch_id(env: LaunchEnvironment) -> str:
+    """What stays the same when a launcher starts this process again: the Slurm job (every attempt of a
+    requeued job), else torchrun's run id (``--rdzv_id``), else the launcher's process; "" for a process that
+    no launcher restarts."""
+    if env.slurm_job_id:
+        return f"slurm:{env.slurm_cluster}:{env.slurm_job_id}"
+    if not env.torchrun:
+        return ""
+    if env.torchrun_run_id not in ("", "none"):
+        return f"torchrun:{env.torchrun_run_id}"
+    agent = psutil.Process().parent()  # torchrun's agent (or accelerate launch's), which restarts its workers
+    return f"agent:{socket.gethostname()}:{agent.pid}:{agent.create_time()}" if agent else ""
+
+
+def resumed_progress(saved: Progress, run: Progress, folder: Path, batches_per_rank: int) -> Progress:
+    """Where ``run`` (a fresh ``Progress`` with this run's processes, batch and accumulation) continues the
+    checkpoint ``folder`` whose progress is ``saved``; ``batches_per_rank`` is this run's per epoch.
+
+    The plan of global batches depends on the global batch (per-device batch x processes x accumulation),
+    not on how it is split, so another world size resumes when the global batch is kept. The position in the
+    epoch, in micro-batches per process, carries over through the optimizer steps done.
+
+    Raises:
+        UserError: the global batch would change (the message names the per-device batch or accumulation
+            that keeps it), or another world size resumes a checkpoint that does not record its batch.
+    """
+    current = {"world_size": run.world_size, "runtime": run.runtime,
+               "per_device_train_batch_size": run.per_device_train_batch_size,
+               "gradient_accumulation_steps": run.gradient_accumulation_steps}
+    if saved.per_device_train_batch_size is None:
+        if saved.world_size != run.world_size:
+            raise UserError(f"{folder} was written by {saved.world_size} processes and this run has {run.world_size};"
+                            f" the checkpoint does not record its batch, so resume with {saved.world_size}")
+        return replace(saved, **current)
+    wanted = saved.global_batch_size
+    if run.global_batch_size != wanted:
+        per_process = run.world_size * run.gradient_accumulation_steps
+        ways = [f"--per_device_train_batch_size {wanted // per_process}"] if wanted % per_process == 0 else []
+        per_process = run.world_size * run.per_device_train_batch_size
+        ways += [f"--gradient_accumulation_steps {wanted // per_process}"] if wanted % per_process == 0 else []
+        if not ways and wanted % run.world_size == 0:
+            ways = [f"--per_device_train_batch_size {wanted // run.world_size} --gradient_accumulation_steps 1"]
+        fix = (f"with {run.world_size} process(es), pass {' or '.join(ways)}" if ways else
+               f"resume with a number of processes that divides {wanted}, such as {saved.world_size}")
+        raise UserError(f"{folder} was written with a global batch of {saved.describe_batch()} and this run's is "
+                        f"{run.describe_batch()}; the order of the data depends on it, so keep it: {fix}")
+    batches = saved.batches_in_epoch
+    if saved.gradient_accumulation_steps != run.gradient_accumulation_steps:
+        steps_done = math.ceil(batches / saved.gradient_accumulation_steps)
+        batches = min(steps_done * run.gradient_accumulation_steps, batches_per_rank)
+    return replace(saved, batches_in_epoch=batches, **current)
 
 
 def _sha256_and_sync(path: Path) -> str:
@@ -163,12 +256,15 @@ def _complete_checkpoints(output_dir: str) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and _is_complete(p))
 
 
-def find_latest_checkpoint(output_dir: str) -> Path | None:
-    """The newest checkpoint under ``output_dir/checkpoints`` whose files all verify, or None.
+def find_latest_checkpoint(output_dir: str, launch: str | None = None) -> Path | None:
+    """The newest checkpoint under ``output_dir/checkpoints`` whose files all verify (of those written by the
+    launch ``launch``, when given), or None.
 
     A damaged newer checkpoint is skipped with a warning naming the file.
     """
     for _, folder in reversed(_complete_checkpoints(output_dir)):
+        if launch is not None and getattr(_written_by(folder), "launch_id", None) != launch:
+            continue
         try:
             verify_checkpoint(folder)
         except UserError as err:
@@ -195,23 +291,33 @@ def resolve_resume_checkpoint(value: str | None, output_dir: str) -> Path | None
     return folder
 
 
-def prune_checkpoints(output_dir: str, limit: int | None) -> None:
-    """Delete the oldest complete checkpoints so that at most ``limit`` remain."""
+def _checkpoints_of(output_dir: str, run_id: str, other: bool = False) -> list[tuple[int, Path]]:
+    """(step, folder) of the complete checkpoints of run ``run_id`` (of every other run with ``other``)."""
+    return [(step, folder) for step, folder in _complete_checkpoints(output_dir)
+            if (getattr(_written_by(folder), "run_id", None) == run_id) != other]
+
+
+def prune_checkpoints(output_dir: str, limit: int | None, progress: Progress) -> None:
+    """Delete this run's oldest checkpoints up to ``progress``'s step so that at most ``limit`` of them remain;
+    another run's checkpoints, and this run's of later steps (from before it resumed from an earlier one), are
+    left alone."""
     if limit is None:
         return
-    for _, folder in _complete_checkpoints(output_dir)[:-limit]:
+    mine = [(step, folder) for step, folder in _checkpoints_of(output_dir, progress.run_id)
+            if step <= progress.global_step]
+    for _, folder in mine[:-limit]:
         shutil.rmtree(folder)
 
 
-def check_output_dir(output_dir: str, overwrite: bool, resuming: bool, remove: bool = True) -> None:
-    """Refuse to write over a saved model or another run's checkpoints unless asked to.
+def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None) -> None:
+    """Refuse to write over a saved model or another run's checkpoints unless asked to; change nothing.
 
-    A fresh run (not resuming) with ``overwrite`` removes the other run's checkpoints first, so that pruning
-    never mixes two runs' steps; only where ``remove`` is set (the process that holds ``output_dir_lock``).
+    Another run's checkpoints stay until ``clear_output_dir``, once the run has what it needs to start.
 
     Raises:
-        UserError: ``output_dir`` holds a model or complete checkpoints and neither ``overwrite`` nor
-            ``resuming`` is set, or it is a file, or it cannot be written.
+        UserError: a fresh run (``resume_from`` None) into a folder that holds a model or complete checkpoints,
+            or a resumed run into one that holds another run's checkpoints of later steps (``latest`` would
+            take those), unless ``overwrite``; ``output_dir`` is a file or cannot be written.
     """
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
@@ -224,19 +330,38 @@ def check_output_dir(output_dir: str, overwrite: bool, resuming: bool, remove: b
     except OSError as err:
         raise UserError(f"--output_dir {output_dir} cannot be written ({existing}: {err.strerror}); "
                         "choose another --output_dir") from None
-    if resuming:
+    if overwrite:
         return
-    holds_model = (path / "config.json").is_file() or any(path.glob("model*.safetensors"))
-    checkpoints = [folder.name for _, folder in _complete_checkpoints(output_dir)]
-    if holds_model and not overwrite:
+    if resume_from is not None:
+        resumed = read_progress(resume_from)
+        later = [folder.name for step, folder in _checkpoints_of(output_dir, resumed.run_id, other=True)
+                 if step > resumed.global_step]
+        if later:
+            raise UserError(f"--output_dir {output_dir} holds another run's checkpoints of later steps "
+                            f"({', '.join(later[-3:])}) than {resume_from}, which this run resumes from, and `latest` "
+                            "would continue that run; pass --overwrite_output_dir to remove them once this run starts, "
+                            "or choose another --output_dir")
+        return
+    if any((path / name).is_file() for name in ("config.json", "adapter_config.json")) or any(
+            path.glob("*model*.safetensors")):
         raise UserError(f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir to replace it "
                         "or choose another --output_dir")
-    if checkpoints and not overwrite:
+    checkpoints = [folder.name for _, folder in _complete_checkpoints(output_dir)]
+    if checkpoints:
         raise UserError(f"--output_dir {output_dir} already holds another run's checkpoints "
                         f"({', '.join(checkpoints[-3:])}); pass --resume_from_checkpoint latest to continue that run, "
                         "--overwrite_output_dir to remove them, or choose another --output_dir")
-    if checkpoints and remove:
-        shutil.rmtree(path / "checkpoints")
+
+
+def clear_output_dir(output_dir: str, progress: Progress, overwrite: bool) -> None:
+    """What a run removes once it has what it needs to start (its data, model and checkpoint loaded): with
+    ``overwrite``, every other run's checkpoints; at a fresh start, an earlier run's ``log_history.jsonl``.
+    Call it on the process that holds ``output_dir_lock``."""
+    if overwrite:
+        for _, folder in _checkpoints_of(output_dir, progress.run_id, other=True):
+            shutil.rmtree(folder)
+    if progress.global_step == 0:
+        (Path(output_dir) / LOG_HISTORY).unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -247,8 +372,11 @@ def output_dir_lock(output_dir: str):
     run that was killed leaves nothing that blocks the next. The file names its holder for the refusal, and
     it is removed when the run ends, as is the folder if the run created it and left it empty.
 
+    The lock file is never followed through a symbolic link: one planted there would have the run truncate the
+    file it points to.
+
     Raises:
-        UserError: another living run holds the folder.
+        UserError: another living run holds the folder, or the lock file's name is a symbolic link.
     """
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
@@ -258,8 +386,11 @@ def output_dir_lock(output_dir: str):
     while True:
         try:
             path.mkdir(parents=True, exist_ok=True)
-            descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise UserError(f"{lock_path} is a symbolic link, not finetune's lock file; remove it or choose "
+                                "another --output_dir") from None
             raise UserError(f"--output_dir {output_dir} cannot be written ({err.strerror}); choose another "
                             "--output_dir") from None
         try:
@@ -269,7 +400,7 @@ def output_dir_lock(output_dir: str):
             os.close(descriptor)
             raise UserError(f"--output_dir {output_dir} is in use by another run ({holder}); wait for it to end or "
                             "choose another --output_dir") from None
-        if os.path.exists(lock_path) and os.stat(lock_path).st_ino == os.fstat(descriptor).st_ino:
+        if os.path.lexists(lock_path) and os.lstat(lock_path).st_ino == os.fstat(descriptor).st_ino:
             break
         os.close(descriptor)  # the holder removed the file as we locked it: lock the current one
     try:
@@ -298,6 +429,50 @@ def save_model(model: torch.nn.Module, state_dict: dict, tokenizer, output_dir: 
     """
     model.save_pretrained(output_dir, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
+
+
+def write_final_model(output_dir: str, write: Callable[[Path], None]) -> list[str]:
+    """Write the final model with ``write(folder)`` into ``output_dir/.final.partial``, flush it to disk, then move
+    each file and folder into ``output_dir`` (an entry of the same name there is replaced); returns the paths,
+    relative to ``output_dir``, of the files written: what this run saved.
+
+    Until everything is written and flushed, the model already in ``output_dir`` is untouched; a kill then
+    leaves only the hidden partial folder, which the next save removes. Each file is replaced whole.
+    Raises what ``write`` raises (``.final.partial`` is removed first).
+    """
+    output = Path(output_dir)
+    staging, replaced = output / FINAL_PARTIAL, output / ".final.replaced"
+    for leftover in (staging, replaced):
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging.mkdir()
+    try:
+        write(staging)
+        files = sorted(path.relative_to(staging).as_posix() for path in staging.rglob("*") if path.is_file())
+        for name in files:
+            with open(staging / name, "rb") as f:
+                os.fsync(f.fileno())
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    replaced.mkdir()
+    for entry in sorted(staging.iterdir()):
+        target = output / entry.name
+        if target.is_dir() or (entry.is_dir() and os.path.lexists(target)):  # rename replaces files, not folders
+            target.rename(replaced / entry.name)
+        entry.replace(target)
+    fsync_directory(output)
+    shutil.rmtree(replaced)
+    staging.rmdir()
+    return files
+
+
+def fsync_directory(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def load_state_dict_unwrapped(path: str | os.PathLike) -> dict[str, torch.Tensor]:

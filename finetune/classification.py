@@ -7,8 +7,8 @@ import math
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from finetune.batching import TokenizedDataset
 from finetune.errors import UserError
+from finetune.prepared_data import TOKEN_IDS, Tokenizing
 
 __all__ = ["encode_labels", "tokenize_texts"]
 
@@ -68,23 +68,30 @@ def _label_values(split: datasets.Dataset, column: str, name: str) -> list:
 
 
 def tokenize_texts(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, columns: list[str],
-                   max_length: int, name: str) -> TokenizedDataset:
-    """Token ids of ``columns`` (a text, or a text pair), truncated to ``max_length``, unpadded, with the rest.
+                   max_length: int, name: str, tokenizing: Tokenizing) -> datasets.Dataset:
+    """Token ids of ``columns`` (a text, or a text pair), truncated to ``max_length``, unpadded, with the labels.
 
     Raises:
         UserError: a text that is missing, empty or not a string, with its row in split ``name``.
     """
+    # Attention masks are all ones before padding, which makes them; type ids matter for pairs only.
+    type_ids = len(columns) > 1 and "token_type_ids" in tokenizer.model_input_names
 
     def encode(batch, rows):
-        for column in columns:
-            for row, value in zip(rows, batch[column], strict=True):
+        for position, row in enumerate(rows):
+            for column in columns:
+                value = batch[column][position]
                 if not isinstance(value, str):
                     raise UserError(f"{name} data row {row + 1}: column {column!r} holds {value!r}, not text; "
                                     "fix the data or pick the right --text_column")
                 if not value.strip():
                     raise UserError(f"{name} data row {row + 1}: column {column!r} is empty; fill it in or drop "
                                     "the row")
-        return tokenizer(*(batch[column] for column in columns), truncation=True, max_length=max_length)
+        encoded = tokenizer(*(batch[column] for column in columns), truncation=True, max_length=max_length,
+                            return_attention_mask=False, return_token_type_ids=type_ids)
+        return {**encoded, "labels": batch["labels"]}
 
-    encoded = split.map(encode, batched=True, with_indices=True, remove_columns=columns, keep_in_memory=True)
-    return TokenizedDataset(encoded.to_dict())
+    features = {"input_ids": TOKEN_IDS, "labels": datasets.Value("int32")}
+    if type_ids:
+        features["token_type_ids"] = datasets.Sequence(datasets.Value("int8"))
+    return tokenizing.map(split, encode, name, features)

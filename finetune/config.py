@@ -11,6 +11,7 @@ a mistake comes back before the training libraries load.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import sys
 import typing
@@ -29,6 +30,9 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
               "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
               "warmup_stable_decay", "greedy")
 """``transformers.SchedulerType`` values, spelled out so that checking a flag does not import torch."""
+
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+"""What ``--report_to`` may name, each also the package that must be installed for it."""
 
 
 def arg(default, help: str, **extra):
@@ -51,6 +55,11 @@ class TrainConfig:
     validation_file: str | None = arg(None, "Evaluation data, same formats as --train_file.")
     max_seq_length: int = arg(128, "Longer inputs are cut to this many tokens (and counted at start-up).")
     trust_remote_code: bool = arg(False, "Allow model or dataset code from the Hub to run on this machine.")
+    preprocessing_num_workers: int | None = arg(None, "Processes that tokenize the data when its cache is built.")
+    overwrite_cache: bool = arg(False, "Tokenize the data again even if a cache of it exists.")
+    dataset_cache_dir: str | None = arg(None, "Where tokenized data is cached; default: finetune/ in the datasets "
+                                              "cache (HF_DATASETS_CACHE).")
+    prepare_only: bool = arg(False, "Tokenize the data into its cache and exit (a CPU job before a GPU job).")
 
     # Optimisation
     per_device_train_batch_size: int = arg(32, "Training examples per process per micro-step.")
@@ -68,6 +77,7 @@ class TrainConfig:
                                       "compute on padding.")
     mixed_precision: Literal["no", "fp16", "bf16"] | None = arg(
         None, "Overrides the launcher's choice (accelerate config); raw DDP supports no and bf16.")
+    bf16: bool = arg(False, "Same as --mixed_precision bf16 (the flag of transformers' and TRL's scripts).")
 
     # Outputs, checkpoints, logging
     output_dir: str = arg("outputs", "Where the trained model, checkpoints and results go.")
@@ -79,8 +89,10 @@ class TrainConfig:
                                                    "hub:ORG/NAME.")
     eval_steps: int | None = arg(None, "Also evaluate every N optimizer steps (always at each epoch's end).")
     logging_steps: int = arg(10, "Log loss, learning rate and throughput every N optimizer steps.")
-    with_tracking: bool = arg(False, "Send metrics to experiment trackers.")
-    report_to: str = arg("all", "Trackers for --with_tracking: tensorboard, wandb, ... or 'all'.")
+    with_tracking: bool = arg(False, "Send metrics to every installed experiment tracker (--report_to all).")
+    report_to: str | None = arg(None, "Experiment trackers, comma-separated: tensorboard, mlflow, wandb; 'all' "
+                                      "(those installed) or 'none'. Default: none, or all with --with_tracking.")
+    run_name: str | None = arg(None, "The run's name in the trackers; default: the output folder's name.")
 
     # Hugging Face Hub
     push_to_hub: bool = arg(False, "Push the final model (and, per --hub_strategy, checkpoints) to the Hub.")
@@ -101,13 +113,16 @@ class TrainConfig:
                                                                 "Accelerate otherwise.")
     ddp_backend: str | None = arg(None, "torch.distributed backend; default nccl with CUDA, gloo without.")
     ddp_timeout: int = arg(1800, "Seconds a collective may wait for the other processes before the job fails.")
+    fsdp: bool = arg(False, "Shard weights, gradients and optimizer state across the processes (PyTorch FSDP2) "
+                            "instead of copying them to each (DDP); under torchrun or plain python. Under "
+                            "accelerate launch, use --config_file accelerate_configs/fsdp.yaml (GPUs only).")
 
     def __post_init__(self):
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs",
                      "gradient_accumulation_steps", "max_seq_length", "logging_steps", "ddp_timeout", "hub_timeout"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} is {getattr(self, name)}; it must be a positive whole number")
-        for name in ("max_train_steps", "checkpoints_total_limit", "eval_steps"):
+        for name in ("max_train_steps", "checkpoints_total_limit", "eval_steps", "preprocessing_num_workers"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name} is {value}; it must be a positive whole number (or left unset)")
@@ -123,16 +138,53 @@ class TrainConfig:
         ):
             raise UserError(
                 f"--checkpointing_steps is {self.checkpointing_steps!r}; give a positive number of steps or 'epoch'")
+        if self.bf16:
+            if self.mixed_precision not in (None, "bf16"):
+                raise UserError(f"--bf16 and --mixed_precision {self.mixed_precision} disagree; pass one of them")
+            self.mixed_precision = "bf16"
         if self.dataset_name and (self.train_file or self.validation_file):
             raise UserError("--dataset_name and --train_file/--validation_file both given; pass one data source")
         if bool(self.train_file) != bool(self.validation_file):
             raise UserError("--train_file and --validation_file go together; pass both")
+        _chosen_trackers(self.report_to, self.with_tracking)
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers this run reports to, from ``--report_to`` and ``--with_tracking``."""
+        return _chosen_trackers(self.report_to, self.with_tracking)
 
     @property
     def checkpoint_every_steps(self) -> int | None:
         if self.checkpointing_steps is None or self.checkpointing_steps == "epoch":
             return None
         return int(self.checkpointing_steps)
+
+
+def _chosen_trackers(report_to: str | None, with_tracking: bool) -> tuple[str, ...]:
+    """The trackers ``--report_to`` (a comma list, all or none) names; all installed with ``--with_tracking`` alone.
+
+    Raises:
+        UserError: an unknown name, a tracker whose package is not installed, or 'all' with none installed.
+    """
+    spec = report_to or ("all" if with_tracking else "none")
+    names = [name.strip().lower() for name in spec.split(",") if name.strip()]
+    installed = tuple(name for name in TRACKERS if importlib.util.find_spec(name) is not None)
+    if names == ["none"]:
+        return ()
+    if names == ["all"]:
+        if not installed:
+            raise UserError(f"--report_to all: none of {', '.join(TRACKERS)} is installed; "
+                            "pip install -e '.[trackers]', or leave tracking off")
+        return installed
+    if {"all", "none"} & set(names) or not names:
+        raise UserError(f"--report_to {spec!r}: give tracker names, or all or none alone")
+    if unknown := [name for name in names if name not in TRACKERS]:
+        raise UserError(f"--report_to {spec}: {unknown[0]!r} is not a tracker here; name some of "
+                        f"{', '.join(TRACKERS)} (comma-separated), or all or none")
+    if missing := [name for name in names if name not in installed]:
+        raise UserError(f"--report_to {missing[0]} needs the {missing[0]} package, which is not installed; "
+                        f"pip install -e '.[trackers]' (or pip install {missing[0]})")
+    return tuple(dict.fromkeys(names))
 
 
 class _Parser(HfArgumentParser):

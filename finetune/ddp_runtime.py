@@ -6,13 +6,9 @@ the other's checkpoints.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
-import os
-import random
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
@@ -29,12 +25,17 @@ from finetune.ddp import (
     wrap_model,
 )
 from finetune.errors import UserError
-from finetune.runtime import Runtime, TrackerSettings, load_trainable_state, own_generator, trainable_state_dict
+from finetune.runtime import (
+    Runtime,
+    TrackerSettings,
+    load_rng_state,
+    load_trainable_state,
+    own_generator,
+    save_rng_state,
+    trainable_state_dict,
+)
 
 __all__ = ["DDPRuntime"]
-
-_RNG_STATE_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType, codecs.encode]
-"""What numpy's RNG state needs to unpickle, and nothing that could run code."""
 
 
 class _OrderedEval:
@@ -60,8 +61,6 @@ class DDPRuntime(Runtime):
                  backend: str | None, ddp_timeout: timedelta, tracking: TrackerSettings | None):
         if mixed_precision == "fp16":
             raise UserError("--mixed_precision fp16 needs a gradient scaler; use bf16, or --runtime accelerate")
-        if tracking and tracking.report_to not in ("all", "tensorboard"):
-            raise UserError(f"--report_to {tracking.report_to} is not supported by --runtime ddp; use tensorboard")
         self.info = init_distributed(backend, ddp_timeout)
         self.world_size, self.rank, self.device = self.info.world_size, self.info.rank, self.info.device
         self.accumulation_steps = gradient_accumulation_steps
@@ -70,11 +69,7 @@ class DDPRuntime(Runtime):
         self._sync = True
         self._eval_remaining = 0
         self._model = self._optimizer = self._scheduler = None
-        self._writer = None
-        if tracking and self.is_main_process:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=os.path.join(tracking.logging_dir, tracking.project))
+        self._start_tracking(tracking)
 
     def train_loader(self, dataset, sampler, collate_fn):
         # No loader shards batches for us: the sampler yields this rank's shares only.
@@ -102,11 +97,9 @@ class DDPRuntime(Runtime):
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def epoch_batches(self, train_loader, epoch, skip_batches=0):
-        self.train_sampler.set_epoch(epoch)
-        total = len(train_loader)
-        for index, batch in enumerate(train_loader):
-            if index < skip_batches:
-                continue
+        self.train_sampler.set_epoch(epoch, skip_batches)  # the skipped batches are never fetched
+        total = self.train_sampler.batches_per_rank
+        for index, batch in enumerate(train_loader, start=skip_batches):
             self._sync = (index + 1) % self.accumulation_steps == 0 or index + 1 == total
             yield self._to_device(batch)
 
@@ -155,15 +148,7 @@ class DDPRuntime(Runtime):
                       metadata={"format": "pt"})
             torch.save(self._optimizer.state_dict(), folder / "optimizer.bin")
             torch.save(self._scheduler.state_dict(), folder / "scheduler.bin")
-        rng = {
-            "step": 0,
-            "random_state": random.getstate(),
-            "numpy_random_seed": np.random.get_state(),
-            "torch_manual_seed": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available():
-            rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, folder / f"random_states_{self.rank}.pkl")
+        save_rng_state(folder, self.rank)
 
     def _load_state(self, folder):
         load_trainable_state(unwrap(self._model), load_file(folder / "model.safetensors", device=str(self.device)),
@@ -171,20 +156,7 @@ class DDPRuntime(Runtime):
         self._optimizer.load_state_dict(torch.load(folder / "optimizer.bin", map_location=self.device,
                                                    weights_only=True))
         self._scheduler.load_state_dict(torch.load(folder / "scheduler.bin", weights_only=True))
-        with torch.serialization.safe_globals(_RNG_STATE_GLOBALS):
-            rng = torch.load(folder / f"random_states_{self.rank}.pkl", weights_only=True)
-        random.setstate(rng["random_state"])
-        np.random.set_state(rng["numpy_random_seed"])
-        torch.set_rng_state(rng["torch_manual_seed"])
-        if torch.cuda.is_available() and "torch_cuda_manual_seed" in rng:
-            torch.cuda.set_rng_state_all(rng["torch_cuda_manual_seed"])
-
-    def log(self, values, step):
-        if self._writer is not None:
-            for key, value in values.items():
-                self._writer.add_scalar(key, value, step)
+        load_rng_state(folder, self.rank)
 
     def close(self):
-        if self._writer is not None:
-            self._writer.close()
         destroy_distributed()

@@ -25,11 +25,22 @@ class LaunchEnvironment:
     """Started by torchrun's agent (which ``accelerate launch`` also uses for several processes)."""
     accelerate: bool = False
     """Started by ``accelerate launch``, which sets ``ACCELERATE_*`` variables."""
+    accelerate_fsdp: bool = False
+    """``accelerate launch`` with an FSDP config (``ACCELERATE_USE_FSDP``)."""
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     agent_store: bool = False
     """The agent hosts the rendezvous store (``TORCHELASTIC_USE_AGENT_STORE``): workers only connect to it."""
     omp_num_threads: str | None = None
+    slurm_job_id: str = ""
+    """The Slurm job (``SLURM_JOB_ID``, with ``SLURM_CLUSTER_NAME``): the same in every attempt of a requeued job."""
+    slurm_cluster: str = ""
+    torchrun_run_id: str = ""
+    """torchrun's ``--rdzv_id`` (``TORCHELASTIC_RUN_ID``): a fresh id per launch on one node, ``none`` under a
+    multi-process ``accelerate launch``."""
+    exit_status_file: str | None = None
+    """Where the main process writes its exit status (``FINETUNE_EXIT_STATUS_FILE``), for a batch script that sees
+    only its launcher's: ``launch/slurm.sbatch`` requeues a stopped job only if it saved its checkpoint."""
 
     @classmethod
     def read(cls) -> LaunchEnvironment:
@@ -43,8 +54,13 @@ class LaunchEnvironment:
             requeue_count=int(env.get("SLURM_RESTART_COUNT", "0")),
             torchrun="TORCHELASTIC_RUN_ID" in env,
             accelerate=any(key.startswith("ACCELERATE_") for key in env),
+            accelerate_fsdp=env.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", "29500")),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             omp_num_threads=env.get("OMP_NUM_THREADS"),
+            slurm_job_id=env.get("SLURM_JOB_ID", ""),
+            slurm_cluster=env.get("SLURM_CLUSTER_NAME", ""),
+            torchrun_run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+            exit_status_file=env.get("FINETUNE_EXIT_STATUS_FILE") or None,
         )

@@ -24,13 +24,22 @@ class Stopped(Exception):
 
 def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
     """Run a recipe's ``main``; a ``UserError`` becomes one line on stderr and exit status 2, a stop on a
-    signal (already reported) exit status 143."""
+    signal (already reported) exit status 143. The main process also writes either status into
+    ``FINETUNE_EXIT_STATUS_FILE`` when that is set."""
+    env = LaunchEnvironment.read()
     try:
         main(argv)
     except Stopped:
-        sys.exit(STOPPED_EXIT_CODE)
+        _exit(env, STOPPED_EXIT_CODE)
     except UserError as err:
-        env = LaunchEnvironment.read()
         prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
         print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
-        sys.exit(USER_ERROR_EXIT_CODE)
+        _exit(env, USER_ERROR_EXIT_CODE)
+
+
+def _exit(env: LaunchEnvironment, status: int) -> None:
+    # torchrun exits 1 whatever its workers' status; a batch script learns the main process's from this file.
+    if env.exit_status_file and env.rank == 0:
+        with open(env.exit_status_file, "w") as f:
+            f.write(f"{status}\n")
+    sys.exit(status)

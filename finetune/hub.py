@@ -2,13 +2,16 @@
 
 Only the main process talks to the Hub. The repository is created at start-up, so a bad token fails
 in seconds; every push after that is a job for a separate upload process (``hub_uploader.py``), retried
-with backoff, and its outcome is recorded rather than raised. Training never waits for an upload.
+with backoff, and its outcome is recorded rather than raised. Training never waits for an upload. A push
+holds exactly what the run saved for it, never a file reached through a symbolic link.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
+import math
 import os
 import queue
 import shutil
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token, snapshot_download
@@ -23,12 +27,11 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from finetune.errors import UserError
 from finetune.hub_uploader import describe
+from finetune.preemption import STOP_GRACE
 from finetune.task import ModelCardInfo
 
 __all__ = ["HubPusher", "download_last_checkpoint", "model_card"]
 
-IGNORE_PATTERNS = ["checkpoints/*", "runs/*", "*.log", "*.tmp", "__pycache__/*"]
-"""Kept out of the final push besides hidden files: local checkpoints, tracker logs, caches."""
 MODEL_FILES = ["config.json", "model.safetensors", "tokenizer*", "vocab*", "special_tokens_map.json", "merges.txt"]
 """What a checkpoint contributes to the repository's top level under ``every_save``: a loadable model."""
 LAST_CHECKPOINT = "last-checkpoint"
@@ -49,7 +52,7 @@ class HubPusher:
         self.timeout = timeout
         self.revision = revision
         self.statuses: list[dict] = []
-        self._pushes = 0
+        self._messages: list[str] = []  # push n's commit message is the n-th
         if not self.enabled:
             return
         self.token = token or get_token()
@@ -68,12 +71,16 @@ class HubPusher:
                 f"cannot create the Hub repository {self.repo_id}: {describe(err, self.token)}; check the token "
                 "(--hub_token or HF_TOKEN) and that it may write to that namespace"
             ) from None
-        # The token reaches the uploader in its environment, never on a command line others can read.
+        # The token reaches the uploader in its environment, never on a command line others can read. In a session
+        # of its own, a signal a launcher sends this process's group (torchrun's SIGTERM, a terminal's Ctrl-C)
+        # misses it, and it ignores those Slurm sends every process: the push of a stop's checkpoint still lands.
         self._uploader = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("hub_uploader.py")), self.repo_id,
+            [sys.executable, str(Path(__file__).with_name("hub_uploader.py")), self.repo_id, str(timeout),
              *([self.revision] if self.revision else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_TOKEN": self.token},
+            start_new_session=True,
         )
+        self._said_uploader_stopped = False
         self._reader = threading.Thread(target=self._read_outcomes, name="hub-push-outcomes", daemon=True)
         self._reader.start()
         # Jobs reach the uploader through a thread: a pipe write blocks once the uploader stops reading (busy
@@ -90,51 +97,89 @@ class HubPusher:
         """
         if not self.enabled or self.strategy == "end":
             return
-        # Hard links freeze the files as they are now: pruning may delete the folder before the upload.
+        message = f"Training in progress, step {step}"
+        if not self._uploader_runs():
+            self._messages.append(message)
+            self.statuses.append({"push": len(self._messages), "message": message, "error": "the uploader had stopped"})
+            return
+        # Hard links freeze the files as they are now (pruning may delete the folder before the upload), and only
+        # those pushed are staged: a lagging upload holds no optimizer state it will not send.
         stage = Path(folder).parent.parent / ".hub_staging" / f"step_{step}"
         shutil.rmtree(stage, ignore_errors=True)  # left by an earlier run that failed to push this step
-        shutil.copytree(folder, stage, copy_function=_link_or_copy)
-        checkpoint_files = [path.relative_to(stage).as_posix() for path in stage.rglob("*") if path.is_file()]
+        checkpoint_files = [name for name in _files(Path(folder))
+                            if self.strategy == "checkpoint" or _matches(name, MODEL_FILES)]
+        for name in checkpoint_files:
+            (stage / name).parent.mkdir(parents=True, exist_ok=True)
+            _link_or_copy(Path(folder) / name, stage / name)
         model_config.save_pretrained(stage)
         tokenizer.save_pretrained(stage)
-        files = _files(stage, "", allow=MODEL_FILES)
+        files = [(name, str(stage / name)) for name in _files(stage) if _matches(name, MODEL_FILES)]
         if self.strategy == "checkpoint":  # the checkpoint as its manifest lists it, without the loading files
-            files += _files(stage, LAST_CHECKPOINT, allow=checkpoint_files)
-        self._submit(files, f"Training in progress, step {step}", stage)
+            files += [(f"{LAST_CHECKPOINT}/{name}", str(stage / name)) for name in checkpoint_files]
+        self._submit(files, message, stage)
 
-    def push_final(self, output_dir: str, step: int) -> None:
-        """Queue the final model folder (with its model card), ignoring checkpoints and logs."""
+    def push_final(self, output_dir: str, files: list[str], step: int) -> None:
+        """Queue the final model: ``files``, the paths under ``output_dir`` that the final save wrote (the model
+        card among them), and nothing else of the folder."""
         if self.enabled:
-            self._submit(_files(Path(output_dir), "", ignore=IGNORE_PATTERNS), f"Final model, step {step}")
+            self._submit([(name, str(Path(output_dir) / name)) for name in files], f"Final model, step {step}")
 
-    def finish(self) -> list[dict]:
-        """Wait up to ``--hub_timeout`` for queued pushes; report and return every push's outcome."""
+    def finish(self, stopped_at: Callable[[], float] = lambda: math.inf) -> list[dict]:
+        """Wait for the queued pushes, then report and return every push's outcome.
+
+        The wait ends after ``--hub_timeout``, which kills pushes still running, or ``STOP_GRACE`` after a stop
+        signal (``stopped_at()``: its wall-clock time, ``inf`` while none came), which leaves them to the uploader:
+        it goes on by itself for at most ``--hub_timeout`` and reports to this run's log.
+        """
         if not self.enabled:
             return []
         self._jobs.put(None)  # no more pushes: the uploader exits once the queued ones are done
         deadline = time.monotonic() + self.timeout
-        try:
-            self._writer.join(timeout=self.timeout)
-            self._uploader.wait(timeout=max(0.0, deadline - time.monotonic()))
+        while self._uploader.poll() is None and time.monotonic() < min(
+                deadline, time.monotonic() + stopped_at() + STOP_GRACE - time.time()):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._uploader.wait(timeout=0.2)
+        if self._uploader.poll() is not None:
             unfinished = f"the uploader stopped with exit status {self._uploader.returncode}"
-        except subprocess.TimeoutExpired:
+        elif stopped_at() < math.inf:
+            unfinished = (f"not done when the run stopped; the uploader (pid {self._uploader.pid}) goes on by itself "
+                          f"for at most --hub_timeout {self.timeout}s and reports to this run's log")
+        else:
             self._uploader.kill()
             self._uploader.wait()
             unfinished = f"still uploading after --hub_timeout {self.timeout}s"
-        self._reader.join()  # the uploader has exited, so its output has ended
-        done = {status["push"] for status in self.statuses}
-        self.statuses += [{"push": number, "error": unfinished}
-                          for number in range(1, self._pushes + 1) if number not in done]
-        self.statuses.sort(key=lambda status: status["push"])
-        for status in self.statuses:
-            outcome = (f"commit {status['commit_id']}, {status['seconds_after_save']:.1f} s after the files were saved"
-                       if "commit_id" in status else f"FAILED: {status['error']}")
-            print(f"hub push {status['push']} ({status.get('message', '')}) to {self.repo_id}: {outcome}", flush=True)
-        return list(self.statuses)
+        if self._uploader.returncode is not None:
+            self._reader.join()  # the uploader has exited, so its output has ended
+        statuses = list(self.statuses)
+        done = {status["push"] for status in statuses}
+        statuses += [{"push": number, "message": message, "error": unfinished}
+                     for number, message in enumerate(self._messages, start=1) if number not in done]
+        statuses.sort(key=lambda status: status["push"])
+        for status in statuses:
+            if "commit_id" in status:
+                outcome = (f"commit {status['commit_id']}, {status['seconds_after_save']:.1f} s after the files "
+                           "were saved")
+            elif "superseded_by" in status:
+                outcome = f"skipped: push {status['superseded_by']}, queued behind it, holds a newer checkpoint"
+            else:
+                outcome = f"FAILED: {status['error']}"
+            print(f"hub push {status['push']} ({status['message']}) to {self.repo_id}: {outcome}", flush=True)
+        return statuses
+
+    def _uploader_runs(self) -> bool:
+        """Whether the uploader still runs; the first time it does not, say so."""
+        if self._uploader.poll() is None:
+            return True
+        if not self._said_uploader_stopped:
+            self._said_uploader_stopped = True
+            print(f"warning: the Hub uploader stopped (exit status {self._uploader.returncode}); later checkpoints are "
+                  "neither staged nor pushed, and the run's pushes are reported as failed at its end",
+                  file=sys.stderr, flush=True)
+        return False
 
     def _submit(self, files: list[tuple[str, str]], message: str, stage: Path | None = None) -> None:
-        self._pushes += 1
-        self._jobs.put({"push": self._pushes, "message": message, "files": files,
+        self._messages.append(message)
+        self._jobs.put({"push": len(self._messages), "message": message, "files": files,
                         "stage": str(stage) if stage else None, "saved_at": time.time()})
 
     def _write_jobs(self) -> None:
@@ -151,28 +196,28 @@ class HubPusher:
             self.statuses.append(json.loads(line))
 
 
-def _link_or_copy(source: str, destination: str) -> None:
+def _link_or_copy(source: Path, destination: Path) -> None:
     try:
         os.link(source, destination)
     except OSError:  # a filesystem without hard links
         shutil.copy2(source, destination)
 
 
-def _files(folder: Path, prefix: str, allow: list[str] | None = None,
-           ignore: list[str] | None = None) -> list[tuple[str, str]]:
-    """(path in the repository, local path) of the files in ``folder`` to push; hidden files and folders
-    (``.git/``, ``.env``, ...) never are."""
+def _matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
+
+
+def _files(folder: Path) -> list[str]:
+    """The paths, relative to ``folder``, of its regular files: none reached through a symbolic link (a linked
+    file or folder is skipped), and no hidden ones (``.git/``, ``.env``, ...)."""
     files = []
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        relative = path.relative_to(folder).as_posix()
-        if any(part.startswith(".") for part in path.relative_to(folder).parts):
-            continue
-        if allow is not None and not any(fnmatch.fnmatch(relative, pattern) for pattern in allow):
-            continue
-        if ignore is not None and any(fnmatch.fnmatch(relative, pattern) for pattern in ignore):
-            continue
-        files.append((f"{prefix}/{relative}" if prefix else relative, str(path)))
-    return files
+    for root, folders, names in os.walk(folder):  # never enters a linked folder
+        folders[:] = [name for name in folders if not name.startswith(".")]
+        for name in names:
+            path = Path(root) / name
+            if not name.startswith(".") and not path.is_symlink() and path.is_file():
+                files.append(path.relative_to(folder).as_posix())
+    return sorted(files)
 
 
 def model_card(*, base_model: str | None, task: ModelCardInfo, recipe: str, repo_id: str, title: str,

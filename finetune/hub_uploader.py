@@ -6,22 +6,30 @@ low CPU priority (nice 10) it takes little from training, yet still a share when
 core busy (at idle priority it would starve there, and a machine that died mid-run would leave nothing on
 the Hub). It imports nothing but huggingface_hub and is run by path, so it starts in a fraction of a second.
 
-Protocol: ``python hub_uploader.py REPO_ID [REVISION]`` with the token in ``HF_TOKEN``. Each line on
+Protocol: ``python hub_uploader.py REPO_ID TIMEOUT [REVISION]`` with the token in ``HF_TOKEN``. Each line on
 stdin is a push: ``{"push": n, "message": ..., "files": [[path_in_repo, local_path], ...], "stage": ...,
 "saved_at": ...}``. Each line on stdout is its outcome: the push number and message, ``commit_id`` and
-``seconds_after_save`` (from the files being complete on disk to the commit), or ``error``. The process ends
-when stdin is closed and every push is done.
+``seconds_after_save`` (from the files being complete on disk to the commit), ``superseded_by`` (a checkpoint's
+push skipped because a newer checkpoint's was queued behind it), or ``error``. The process ends when stdin is
+closed and every push is done, or TIMEOUT seconds after stdin closed, whichever comes first.
 
-Staging copies (``.hub_staging/step_N``, hard links of a checkpoint) go once pushed; a failed one stays for
-``hf upload`` until a later push is done, so at most one failed copy is kept besides those still queued.
+It ignores the stop signals (SIGTERM, SIGINT, SIGUSR1, SIGHUP) that schedulers and launchers send every process
+of a job: a stopped run hands it its last checkpoint and may exit before that push is done. Once the run is gone
+(its end of stdout closed), outcomes go to stderr, the run's log.
+
+Staging copies (``.hub_staging/step_N``, hard links of a checkpoint) go once pushed or superseded; a failed one
+stays for ``hf upload`` until a later push is done, so at most one failed copy is kept besides those queued.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 
 from huggingface_hub import CommitOperationAdd, HfApi
@@ -30,6 +38,7 @@ UPLOAD_NICENESS = 10
 """About a tenth of a core under full load (CFS weights of nice 10 against nice 0)."""
 PUSH_ATTEMPTS = 3
 """Attempts per push; waits of 2, 4 s between them, on top of huggingface_hub's own retries."""
+IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 
 
 def describe(err: Exception, token: str | None) -> str:
@@ -81,14 +90,82 @@ def _remove_older_stages(stage: str) -> None:
             shutil.rmtree(os.path.join(staging, name), ignore_errors=True)
 
 
+class Jobs:
+    """The pushes queued on stdin, read by a thread as they come, so that a push about to start can be skipped
+    when a newer checkpoint's is already queued behind it (a lagging upload sends only the newest checkpoint)."""
+
+    def __init__(self, stream, timeout: float):
+        self._queued: collections.deque[dict] = collections.deque()
+        self._ended = False
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, args=(stream, timeout), daemon=True).start()
+
+    def _read(self, stream, timeout: float) -> None:
+        for line in stream:
+            try:
+                job = json.loads(line)
+            except ValueError:  # a line cut short: the run that wrote it is gone
+                break
+            with self._changed:
+                self._queued.append(job)
+                self._changed.notify()
+        with self._changed:
+            self._ended = True
+            self._changed.notify()
+        # Nothing else may end a process that ignores the stop signals once the run is gone.
+        deadline = threading.Timer(timeout, os._exit, [1])
+        deadline.daemon = True
+        deadline.start()
+
+    def __iter__(self):
+        """Each job in order, with the newer checkpoint push queued behind it, if any (None for the final push)."""
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._queued or self._ended)
+                if not self._queued:
+                    return
+                job = self._queued.popleft()
+                newer = next((later for later in self._queued if later["stage"]), None) if job["stage"] else None
+            yield job, newer
+
+
+def report(status: dict, repo_id: str) -> None:
+    """The outcome on stdout for the run, or, once the run is gone, on stderr for its log."""
+    try:
+        print(json.dumps(status), flush=True)
+        return
+    except OSError:  # the run's end of the pipe is closed: later outcomes (and this one's buffer) go nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    outcome = (f"commit {status['commit_id']}" if "commit_id" in status else
+               f"skipped for push {status['superseded_by']}" if "superseded_by" in status else "FAILED")
+    print(f"hub push {status['push']} ({status['message']}) to {repo_id}, after the run ended: {outcome}",
+          file=sys.stderr, flush=True)
+
+
+def lower_priority() -> None:
+    """Nice 10, for the process and, when it leads a session of its own, for that session's scheduling group:
+    where Linux groups processes by session (autogroup), a nice value only ranks a process within its group,
+    and a group of its own would share the CPU with training's group as an equal."""
+    os.nice(UPLOAD_NICENESS)
+    if os.getsid(0) == os.getpid() and os.path.exists("/proc/self/autogroup"):
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(UPLOAD_NICENESS))
+
+
 def main() -> None:
-    if hasattr(os, "nice"):
-        os.nice(UPLOAD_NICENESS)
-    repo_id, revision = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+    for number in IGNORED_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+    lower_priority()
+    repo_id, timeout = sys.argv[1], float(sys.argv[2])
+    revision = sys.argv[3] if len(sys.argv) > 3 else None
     token = os.environ.get("HF_TOKEN") or None
     api = HfApi(token=token)
-    for line in sys.stdin:
-        print(json.dumps(push(api, repo_id, revision, json.loads(line), token)), flush=True)
+    for job, newer in Jobs(sys.stdin, timeout):
+        if newer:
+            shutil.rmtree(job["stage"], ignore_errors=True)
+            report({"push": job["push"], "message": job["message"], "superseded_by": newer["push"]}, repo_id)
+        else:
+            report(push(api, repo_id, revision, job, token), repo_id)
 
 
 if __name__ == "__main__":

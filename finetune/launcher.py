@@ -1,7 +1,8 @@
 """The runtime a launcher asked for, and the CPU threads a lone process should use.
 
 ``--runtime auto`` is raw DDP under torchrun and Accelerate otherwise (``accelerate launch`` or plain
-python). The loop never asks which it got.
+python); ``--fsdp`` shards on top of raw DDP's process group, under torchrun or plain python. The loop never
+asks which it got.
 """
 
 from __future__ import annotations
@@ -15,24 +16,38 @@ from finetune.accelerate_runtime import AccelerateRuntime
 from finetune.config import TrainConfig
 from finetune.ddp_runtime import DDPRuntime
 from finetune.environment import LaunchEnvironment
+from finetune.errors import UserError
+from finetune.fsdp_runtime import FSDPRuntime
 from finetune.runtime import Runtime, TrackerSettings
 
 __all__ = ["launcher_chose_one_thread", "make_runtime"]
 
 
 def make_runtime(cfg: TrainConfig, tracking: TrackerSettings | None) -> Runtime:
-    """The runtime ``cfg.runtime`` names, set up for this process."""
+    """The runtime ``cfg.runtime`` names, set up for this process.
+
+    Raises:
+        UserError: sharding asked of Accelerate where it does not shard: ``--fsdp`` without Accelerate's FSDP
+            config, or that config on a machine without GPUs (where Accelerate would train unsharded copies).
+    """
     env = LaunchEnvironment.read()
-    if not torch.accelerator.is_available() and launcher_chose_one_thread(env):
+    accelerator = torch.accelerator.is_available()
+    if not accelerator and launcher_chose_one_thread(env):
         torch.set_num_threads(psutil.cpu_count(logical=False) or 1)
     kind = cfg.runtime
     if kind == "auto":
-        kind = "ddp" if env.torchrun and not env.accelerate else "accelerate"
+        kind = "ddp" if (env.torchrun or cfg.fsdp) and not env.accelerate else "accelerate"
+    if kind == "accelerate" and env.accelerate_fsdp and not accelerator:
+        raise UserError("Accelerate runs FSDP on GPUs only and this machine has none; to shard on CPUs, launch "
+                        "torchrun --nproc_per_node=N RECIPE --fsdp")
+    if kind == "accelerate" and cfg.fsdp and not env.accelerate_fsdp:
+        raise UserError("--fsdp shards with the raw torch runtime (torchrun or plain python, --runtime auto or ddp); "
+                        "under accelerate launch, pass --config_file accelerate_configs/fsdp.yaml instead (GPUs only)")
     timeout = timedelta(seconds=cfg.ddp_timeout)
     common = {"mixed_precision": cfg.mixed_precision, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
               "seed": cfg.seed, "tracking": tracking}
     if kind == "ddp":
-        return DDPRuntime(backend=cfg.ddp_backend, ddp_timeout=timeout, **common)
+        return (FSDPRuntime if cfg.fsdp else DDPRuntime)(backend=cfg.ddp_backend, ddp_timeout=timeout, **common)
     return AccelerateRuntime(ddp_timeout=timeout, project_dir=cfg.output_dir, **common)
 
 

@@ -6,6 +6,7 @@ import os
 
 from finetune.checkpoint import save_model
 from finetune.errors import UserError
+from finetune.fsdp import is_sharded
 
 __all__ = ["add_lora", "save_adapter"]
 
@@ -40,5 +41,10 @@ def save_adapter(model, state_dict: dict, tokenizer, output_dir: str, merge: boo
         os.remove(os.path.join(output_dir, "README.md"))
     tokenizer.save_pretrained(output_dir)
     if merge:
+        if is_sharded(model):  # its weights are split across processes: merge a plain copy on this one
+            from peft import PeftModel
+
+            base = type(model.get_base_model()).from_pretrained(model.peft_config["default"].base_model_name_or_path)
+            model = PeftModel.from_pretrained(base, output_dir)
         merged = model.merge_and_unload()
         save_model(merged, merged.state_dict(), tokenizer, os.path.join(output_dir, "merged"))

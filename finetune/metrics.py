@@ -1,31 +1,22 @@
-"""Metrics through ``evaluate``, with offline equivalents of the Hub's modules.
+"""Metrics as ``evaluate`` modules, built here rather than fetched from the Hub.
 
-``evaluate.load("accuracy")`` fetches the module's script from the Hub. The modules built here compute the
-same numbers (accuracy and F1 call scikit-learn, as the Hub's do; seqeval's entity scores are
-``finetune.tagging.entity_scores``, tested against seqeval) and are used when the Hub cannot be reached.
-``evaluate`` and scikit-learn load with the first metric (about 2 s), not with this module, so that a
-recipe's flags are checked before they load.
+``evaluate.load("accuracy")`` downloads the module's script from the Hub, unpinned, and runs it, on every
+process. The modules built here compute the same numbers (accuracy and F1 call scikit-learn, as the Hub's do;
+seqeval's entity scores are ``finetune.tagging.entity_scores``, tested against seqeval), need no network, and run
+only this package's code. ``evaluate`` and scikit-learn load with the first metric (about 2 s), not with this
+module, so that a recipe's flags are checked before they load.
 """
 
 from __future__ import annotations
 
 import functools
 
-from huggingface_hub import constants
-
 __all__ = ["classification_metrics", "load_metric"]
 
 
 @functools.cache
 def load_metric(name: str):
-    """The Hub's ``evaluate`` module when it can be had, else the offline equivalent; loaded once per process."""
-    import evaluate
-
-    if not constants.HF_HUB_OFFLINE:
-        try:
-            return evaluate.load(name, keep_in_memory=True)
-        except Exception:  # no network, a proxy, a moved module: the offline one gives the same numbers
-            pass
+    """The ``evaluate`` module ``name`` (accuracy, f1 or seqeval), built here; loaded once per process."""
     return _offline_modules()[name](keep_in_memory=True)
 
 

@@ -13,11 +13,15 @@ import signal
 import threading
 import time
 
-__all__ = ["STOP_SIGNALS", "StopSignals"]
+__all__ = ["STOP_GRACE", "STOP_SIGNALS", "StopSignals"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 SECOND_CTRL_C_AFTER = 2.0
 """Seconds after the first stop signal from which a SIGINT is a person pressing Ctrl-C again."""
+STOP_GRACE = 20.0
+"""Seconds after a stop signal by which a run should be gone: what schedulers allow before SIGKILL is 30 s by
+default (Slurm's KillWait, Kubernetes' grace period, torchrun's wait for its workers). Waiting for Hub pushes ends
+then; the checkpoint itself is written whatever it takes."""
 
 
 class StopSignals:

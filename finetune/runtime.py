@@ -8,16 +8,17 @@ synchronisation, collectives, and saving/restoring state.
 
 from __future__ import annotations
 
-import os
+import codecs
 import pickle
+import random
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
@@ -28,26 +29,22 @@ from finetune.checkpoint import (
     Progress,
     checkpoint_path,
     disk_write_failure,
+    fsync_directory,
     prune_checkpoints,
     write_manifest,
     write_progress,
 )
-from finetune.errors import UserError
+from finetune.errors import Stopped, UserError
+from finetune.fsdp import MODEL_FOLDER
+from finetune.trackers import FLUSH_TIMEOUT, STOP_FLUSH_TIMEOUT, Trackers, TrackerSettings
 
-__all__ = ["Runtime", "TrackerSettings", "load_trainable_state", "own_generator", "trainable_state_dict"]
+__all__ = ["Runtime", "TrackerSettings", "check_trainable_shapes", "load_rng_state", "load_trainable_state",
+           "own_generator", "save_rng_state", "trainable_state_dict"]
 
 
 SAVE_WAIT = timedelta(days=7)
-
-
-@dataclass(frozen=True)
-class TrackerSettings:
-    """Experiment tracking, for ``--with_tracking``: which trackers, the project's name, what to record."""
-
-    report_to: str
-    project: str
-    logging_dir: str
-    config: dict
+_RNG_STATE_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType, codecs.encode]
+"""What numpy's RNG state needs to unpickle, and nothing that could run code."""
 
 
 class Runtime(ABC):
@@ -57,7 +54,10 @@ class Runtime(ABC):
     world_size: int
     rank: int
     device: torch.device
+    shards = False
+    """Whether each process holds only its shard of the weights and optimizer state (FSDP)."""
     _cpu_group_handle = None
+    _trackers: Trackers | None = None
 
     @property
     def is_main_process(self) -> bool:
@@ -71,8 +71,18 @@ class Runtime(ABC):
     def __enter__(self) -> Runtime:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc_info) -> None:
+        try:
+            if self._trackers is not None:
+                # A stop has a scheduler's kill grace to fit in: its checkpoint is complete, the trackers get little.
+                self._trackers.close(STOP_FLUSH_TIMEOUT if exc_type is Stopped else FLUSH_TIMEOUT)
+        finally:
+            self.close()
+
+    def _start_tracking(self, tracking: TrackerSettings | None) -> None:
+        """The trackers ``tracking`` names, on the main process; the same under every launcher."""
+        if tracking and self.is_main_process:
+            self._trackers = Trackers(tracking)
 
     @abstractmethod
     def train_loader(self, dataset, sampler: GlobalBatchSampler, collate_fn) -> DataLoader:
@@ -122,10 +132,11 @@ class Runtime(ABC):
     def wait_for_everyone(self) -> None: ...
 
     def wait_for_save(self) -> None:
-        """Wait for the main process to finish writing files, however long that takes.
+        """Wait for the processes that write files (a checkpoint, the final model, the data cache) to finish,
+        however long that takes.
 
-        A plain barrier is a collective bound by ``--ddp_timeout`` (and NCCL's watchdog): a slow disk on
-        the main process would abort the others. This waits on a separate gloo group with no practical
+        A plain barrier is a collective bound by ``--ddp_timeout`` (and NCCL's watchdog): a slow disk or a
+        long tokenization on one process would abort the others. This waits on a separate gloo group with no practical
         limit; a main process that dies is noticed by the launcher, which ends the job.
         """
         if self.world_size > 1:
@@ -166,8 +177,14 @@ class Runtime(ABC):
         """Restore a checkpoint; a file that would need arbitrary code to unpickle is refused.
 
         Raises:
-            UserError: a file in ``folder`` holds more than tensors and plain values.
+            UserError: a file in ``folder`` holds more than tensors and plain values, or the checkpoint is
+                sharded and this run is not (or the other way round).
         """
+        if (folder / MODEL_FOLDER).is_dir() != self.shards:
+            raise UserError(
+                f"{folder} was written by a sharded (FSDP) run; resume it with --fsdp under torchrun, or with "
+                "accelerate_configs/fsdp.yaml on GPUs" if not self.shards else
+                f"{folder} was written by a run that did not shard (DDP); resume it without --fsdp")
         try:
             self._load_state(folder)
         except pickle.UnpicklingError as err:
@@ -175,9 +192,10 @@ class Runtime(ABC):
             raise UserError(f"{folder} holds a file that is not plain tensors and values ({reason[:200]}); "
                             "it was not loaded, since loading it could run code") from None
 
-    @abstractmethod
     def log(self, values: dict[str, float], step: int) -> None:
-        """Send ``values`` to the trackers (main process only)."""
+        """Queue ``values`` for the trackers (main process only); returns at once, whatever they do."""
+        if self._trackers is not None:
+            self._trackers.log(values, step)
 
     @abstractmethod
     def close(self) -> None: ...
@@ -195,12 +213,14 @@ class Runtime(ABC):
             self.wait_for_save()
             if self.is_main_process:
                 write_progress(partial, progress)
+                if self._trackers is not None:
+                    self._trackers.settings.write_run(partial)
                 write_manifest(partial, progress)
                 if final.exists():  # an earlier run of the same step, e.g. before a restart
                     shutil.rmtree(final)
                 partial.rename(final)
-                _fsync_directory(final.parent)
-                prune_checkpoints(output_dir, keep)
+                fsync_directory(final.parent)
+                prune_checkpoints(output_dir, keep, progress)
         except (OSError, RuntimeError, SafetensorError) as err:
             shutil.rmtree(partial, ignore_errors=True)
             if (reason := disk_write_failure(err)) is None:
@@ -209,15 +229,6 @@ class Runtime(ABC):
                             "--output_dir; earlier checkpoints are intact") from None
         self.wait_for_save()
         return final
-
-
-def _fsync_directory(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -233,8 +244,14 @@ def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor],
         UserError: the checkpoint holds other weights than those that train here (another model, another
             LoRA configuration, LoRA against a full fine-tune).
     """
+    check_trainable_shapes(model, {name: tuple(tensor.shape) for name, tensor in state.items()}, folder)
+    model.load_state_dict(state, strict=False)
+
+
+def check_trainable_shapes(model: torch.nn.Module, found: dict[str, tuple[int, ...]], folder: Path) -> None:
+    """Raises ``UserError`` unless ``found`` (a checkpoint's weight names and shapes) are the weights that train
+    in ``model``, named as in the unwrapped model."""
     expected = {name: tuple(param.shape) for name, param in model.named_parameters() if param.requires_grad}
-    found = {name: tuple(tensor.shape) for name, tensor in state.items()}
     if found != expected:
         differences = [f"{name} missing" for name in expected.keys() - found.keys()]
         differences += [f"{name} unexpected" for name in found.keys() - expected.keys()]
@@ -243,7 +260,38 @@ def load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor],
         raise UserError(f"{folder} holds other trainable weights than this run ({len(differences)} differ, e.g. "
                         f"{sorted(differences)[0]}): it was written with another model or LoRA configuration; "
                         "resume with the flags that wrote it")
-    model.load_state_dict(state, strict=False)
+
+
+def save_rng_state(folder: Path, rank: int) -> None:
+    """Write this process's RNG states (Python, numpy, torch, CUDA) as ``accelerator.save_state`` does."""
+    rng = {
+        "step": 0,
+        "random_state": random.getstate(),
+        "numpy_random_seed": np.random.get_state(),
+        "torch_manual_seed": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, folder / f"random_states_{rank}.pkl")
+
+
+def load_rng_state(folder: Path, rank: int) -> None:
+    """Restore the RNG states ``save_rng_state`` wrote for ``rank``.
+
+    A process the checkpoint has no states for (resuming with more processes than wrote it) keeps those the
+    seed gave it, as every process of a fresh run starts: its dropout masks are new ones, which a change of
+    world size makes of every process's anyway (each example meets other masks on another process).
+    """
+    path = folder / f"random_states_{rank}.pkl"
+    if not path.exists():
+        return
+    with torch.serialization.safe_globals(_RNG_STATE_GLOBALS):
+        rng = torch.load(path, weights_only=True)
+    random.setstate(rng["random_state"])
+    np.random.set_state(rng["numpy_random_seed"])
+    torch.set_rng_state(rng["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in rng:
+        torch.cuda.set_rng_state_all(rng["torch_cuda_manual_seed"])
 
 
 def own_generator(seed: int) -> torch.Generator:

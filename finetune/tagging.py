@@ -10,10 +10,10 @@ from __future__ import annotations
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from finetune.batching import TokenizedDataset
 from finetune.errors import UserError
+from finetune.prepared_data import TOKEN_IDS, Tokenizing
 
-__all__ = ["align_labels", "encode_tags", "entities", "entity_scores", "first_pieces", "read_conll"]
+__all__ = ["align_labels", "count_cut", "encode_tags", "entities", "entity_scores", "first_pieces", "read_conll"]
 
 IGNORE = -100
 """The label of sub-tokens that are neither trained nor scored (special tokens, later pieces of a word)."""
@@ -102,46 +102,57 @@ def _checked_rows(split: datasets.Dataset, words: str, tags: str, name: str, nam
 
 
 def align_labels(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int,
-                 label_all_tokens: bool, tag_names: list[str]) -> tuple[TokenizedDataset, list[list[int | None]], int]:
+                 label_all_tokens: bool, tag_names: list[str], name: str, tokenizing: Tokenizing,
+                 keep_words: bool = False) -> datasets.Dataset:
     """Sub-tokens of each sentence with a label on the first piece of every word (on every piece with
-    ``label_all_tokens``), cut to ``max_length``.
+    ``label_all_tokens``), cut to ``max_length``; a row's loss units are its labelled sub-tokens.
 
     With ``label_all_tokens`` a word's later pieces continue its entity (``I-X`` after a ``B-X`` word), as in
     transformers' run_ner.py, so that grouping sub-tokens into entities keeps a word whole.
 
-    Returns the dataset (a row's loss units are its labelled sub-tokens), the word of every sub-token of
-    every row (None for special tokens), to turn predictions back into one tag per word, and how many
-    sentences were cut.
+    With ``keep_words`` each row also keeps its ``words`` and the ``word_ids`` of its sub-tokens (-1 for special
+    tokens), to turn predictions back into one tag per word.
     """
-    encoded = tokenizer(list(split["tokens"]), is_split_into_words=True, truncation=True, max_length=max_length)
-    columns = {key: list(values) for key, values in encoded.items()}
-    columns["labels"], all_word_ids = [], []
-    ids = {name: i for i, name in enumerate(tag_names)}
-    continuation = [ids.get("I-" + name[2:], i) if name.startswith("B-") else i for i, name in enumerate(tag_names)]
-    cut = 0
-    for row, word_labels in enumerate(split["labels"]):
-        word_ids = encoded.word_ids(row)
-        labels, previous = [], None
-        for word in word_ids:
-            if word is None or (word == previous and not label_all_tokens):
-                labels.append(IGNORE)
-            elif word == previous:  # a later piece of a word continues its entity: B-X becomes I-X
-                labels.append(continuation[word_labels[word]])
-            else:
-                labels.append(word_labels[word])
-            previous = word
-        kept_words = max((w for w in word_ids if w is not None), default=-1) + 1
-        cut += kept_words < len(word_labels)
-        columns["labels"].append(labels)
-        all_word_ids.append(word_ids)
-    units = [sum(label != IGNORE for label in labels) for labels in columns["labels"]]
-    return TokenizedDataset(columns, loss_units=units), all_word_ids, cut
+    ids = {tag: i for i, tag in enumerate(tag_names)}
+    continuation = [ids.get("I-" + tag[2:], i) if tag.startswith("B-") else i for i, tag in enumerate(tag_names)]
+
+    def align(batch, rows):
+        encoded = tokenizer(batch["tokens"], is_split_into_words=True, truncation=True, max_length=max_length,
+                            return_attention_mask=False, return_token_type_ids=False)
+        all_labels, all_word_ids = [], []
+        for row, word_labels in enumerate(batch["labels"]):
+            word_ids = encoded.word_ids(row)
+            labels, previous = [], None
+            for word in word_ids:
+                if word is None or (word == previous and not label_all_tokens):
+                    labels.append(IGNORE)
+                elif word == previous:  # a later piece of a word continues its entity: B-X becomes I-X
+                    labels.append(continuation[word_labels[word]])
+                else:
+                    labels.append(word_labels[word])
+                previous = word
+            all_labels.append(labels)
+            all_word_ids.append([-1 if word is None else word for word in word_ids])
+        out = {"input_ids": encoded["input_ids"], "labels": all_labels}
+        return {**out, "words": batch["tokens"], "word_ids": all_word_ids} if keep_words else out
+
+    features = {"input_ids": TOKEN_IDS, "labels": TOKEN_IDS}
+    if keep_words:
+        features.update(words=datasets.Sequence(datasets.Value("string")), word_ids=TOKEN_IDS)
+    return tokenizing.map(split, align, name, features)
 
 
-def first_pieces(word_ids: list[int | None]) -> list[int]:
-    """Positions of the first sub-token of each word: where a word's tag is read and scored."""
+def count_cut(rows: datasets.Dataset) -> int:
+    """Sentences of ``rows`` (aligned with ``keep_words``) whose last words were cut off by the length limit."""
+    return sum(max(word_ids, default=-1) + 1 < len(words) for word_ids, words in zip(rows["word_ids"], rows["words"],
+                                                                                     strict=True))
+
+
+def first_pieces(word_ids: list[int]) -> list[int]:
+    """Positions of the first sub-token of each word (word ids, -1 for special tokens): where a word's tag is read
+    and scored."""
     return [position for position, word in enumerate(word_ids)
-            if word is not None and (position == 0 or word_ids[position - 1] != word)]
+            if word >= 0 and (position == 0 or word_ids[position - 1] != word)]
 
 
 def entities(tags: list[str]) -> set[tuple[str, int, int]]:

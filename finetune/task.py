@@ -1,7 +1,8 @@
 """What a recipe plugs into the shared loop (``finetune.loop.train``): its data, model, loss, metrics and saving.
 
 A task is any object with the attributes and methods of ``Task``; the loop owns everything else (devices,
-processes, accumulation, clipping, schedules, logging, evaluation cadence, checkpoints, resume, the Hub).
+processes, the data cache, accumulation, clipping, schedules, logging, evaluation cadence, checkpoints,
+resume, the Hub).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ __all__ = ["ModelCardInfo", "Task", "TaskSetup"]
 
 @dataclass
 class TaskSetup:
-    """What ``Task.setup`` returns: the data, the model (on the CPU, unwrapped) and its tokenizer."""
+    """What ``Task.setup`` returns: the data as the loader reads it, the collators, the model (on the CPU,
+    unwrapped)."""
 
     train_set: Any
     """A ``finetune.batching.TokenizedDataset``; its ``loss_units`` say what each example adds to the loss."""
@@ -23,12 +25,8 @@ class TaskSetup:
     collate: Callable[[list[dict]], dict]
     """Rows to a batch of tensors (padded per batch, or packed)."""
     model: Any
-    tokenizer: Any
-    """Saved beside the model (a tokenizer or processor)."""
     summary: str
     """For the start-up line, e.g. ``"4 labels"``."""
-    data_source: str
-    """Where the data came from, for the start-up line and the model card."""
     eval_collate: Callable[[list[dict]], dict] | None = None
     """Rows to an evaluation batch, when it differs from ``collate`` (packed training, padded evaluation)."""
 
@@ -49,13 +47,32 @@ class ModelCardInfo:
 
 class Task(Protocol):
     name: str
-    """Names the trackers' project and the recipe in the model card (``classify``, ``sft``, ...)."""
+    """Names the trackers' project, the data cache and the recipe in the model card (``classify``, ``sft``, ...)."""
     card: ModelCardInfo
+    tokenizing_code: tuple[str, ...]
+    """Modules (besides the recipe's own) whose code makes the tokens: a change to them rebuilds the data cache."""
 
-    def setup(self, cfg) -> TaskSetup:
-        """Load and tokenize the data, build the model (``cfg`` is the shared ``TrainConfig``).
+    def load_tokenizer(self, cfg) -> Any:
+        """The tokenizer (or processor) the data is tokenized with and that is saved beside the model."""
+
+    def load_data(self, cfg) -> tuple[Any, str]:
+        """``(raw train and validation splits as a datasets.DatasetDict, where they came from)``; cheap when the
+        data was read before (``datasets`` keeps files as Arrow).
+
+        Raises ``UserError`` for missing or unreadable data."""
+
+    def data_options(self, cfg) -> dict:
+        """Every option that changes the tokens (columns, length limit, ...): part of the data cache's key."""
+
+    def tokenize(self, raw, tokenizer, cfg, tokenizing) -> dict:
+        """Tokenize ``raw``'s ``train`` and ``validation`` splits through ``tokenizing.map``
+        (``finetune.prepared_data.Tokenizing``); returns JSON values ``setup`` needs (label names, ...). It runs
+        once per cache key, on one process per node.
 
         Raises ``UserError`` for bad input."""
+
+    def setup(self, cfg, tokenizer, data) -> TaskSetup:
+        """The model and the batches' form, for the tokenized ``data`` (``finetune.prepared_data.PreparedData``)."""
 
     def loss(self, model, batch: dict) -> Any:
         """The batch's loss summed over its loss units (a scalar tensor); the loop normalises it."""

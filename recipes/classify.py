@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from finetune.batching import TokenizedDataset
 from finetune.checkpoint import save_model
 from finetune.classification import encode_labels, tokenize_texts
 from finetune.config import arg, parse_config
@@ -44,27 +45,40 @@ class ClassifyTask:
         pipeline_tag="text-classification", what="text classification",
         default_base_model="sentence-transformers/all-MiniLM-L6-v2",
         usage='from transformers import pipeline\nclassify = pipeline("text-classification", model="{repo_id}")')
+    tokenizing_code = ("finetune.classification", "finetune.data", "finetune.default_dataset")
 
     def __init__(self, args: ClassifyArguments):
         self.args = args
+        self.text_columns = [args.text_column] + ([args.text_pair_column] if args.text_pair_column else [])
 
-    def setup(self, cfg):
-        args = self.args
-        text_columns = [args.text_column] + ([args.text_pair_column] if args.text_pair_column else [])
-        raw, source = load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
-                                  cfg.trust_remote_code, make_support_tickets, "support tickets (embedded default)")
-        raw = check_columns(raw, [*text_columns, args.label_column], "--text_column/--label_column")
-        self.label_names, train, validation = encode_labels(raw["train"], raw["validation"], args.label_column)
-        model_path = cfg.model_name_or_path or default_model_path()
-        tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
-        train_set = tokenize_texts(train, tokenizer, text_columns, cfg.max_seq_length, "train")
-        eval_set = tokenize_texts(validation, tokenizer, text_columns, cfg.max_seq_length, "validation")
+    def load_tokenizer(self, cfg):
+        return from_pretrained(transformers.AutoTokenizer, cfg.model_name_or_path or default_model_path(),
+                               trust_remote_code=cfg.trust_remote_code)
+
+    def load_data(self, cfg):
+        return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
+                           cfg.trust_remote_code, make_support_tickets, "support tickets (embedded default)")
+
+    def data_options(self, cfg):
+        return {"text_columns": self.text_columns, "label_column": self.args.label_column,
+                "max_seq_length": cfg.max_seq_length}
+
+    def tokenize(self, raw, tokenizer, cfg, tokenizing):
+        raw = check_columns(raw, [*self.text_columns, self.args.label_column], "--text_column/--label_column")
+        label_names, train, validation = encode_labels(raw["train"], raw["validation"], self.args.label_column)
+        for split, rows in (("train", train), ("validation", validation)):
+            tokenize_texts(rows, tokenizer, self.text_columns, cfg.max_seq_length, split, tokenizing)
+        return {"label_names": label_names}
+
+    def setup(self, cfg, tokenizer, data):
+        self.label_names = data.info["label_names"]
         model = from_pretrained(
-            transformers.AutoModelForSequenceClassification, model_path, num_labels=len(self.label_names),
-            id2label=dict(enumerate(self.label_names)), label2id={n: i for i, n in enumerate(self.label_names)},
-            trust_remote_code=cfg.trust_remote_code)
-        return TaskSetup(train_set, eval_set, transformers.DataCollatorWithPadding(tokenizer), model, tokenizer,
-                         summary=f"{len(self.label_names)} labels", data_source=source)
+            transformers.AutoModelForSequenceClassification, cfg.model_name_or_path or default_model_path(),
+            num_labels=len(self.label_names), id2label=dict(enumerate(self.label_names)),
+            label2id={n: i for i, n in enumerate(self.label_names)}, trust_remote_code=cfg.trust_remote_code)
+        return TaskSetup(TokenizedDataset(data.train), TokenizedDataset(data.validation),
+                         transformers.DataCollatorWithPadding(tokenizer), model,
+                         summary=f"{len(self.label_names)} labels")
 
     def loss(self, model, batch):
         labels = batch.pop("labels")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import transformers
 
+from finetune.batching import TokenizedDataset
 from finetune.causal_lm import (
     CausalLMArguments,
     check_output_layer,
@@ -27,14 +28,7 @@ from finetune.causal_lm import (
     language_model_collators,
     summed_log_probs,
 )
-from finetune.chat import (
-    IGNORE,
-    generation_prompts,
-    read_conversations,
-    require_chat_template,
-    tokenize_conversations,
-    write_generations,
-)
+from finetune.chat import IGNORE, require_chat_template, tokenize_conversations, write_generations
 from finetune.checkpoint import save_model
 from finetune.config import arg, parse_config
 from finetune.data import load_splits
@@ -70,6 +64,7 @@ class SFTArguments(CausalLMArguments):
 
 class SFTTask:
     name = "sft"
+    tokenizing_code = ("finetune.chat", "finetune.data", "finetune.default_chat", "finetune.default_dataset")
 
     def __init__(self, args: SFTArguments):
         self.args = args
@@ -81,33 +76,45 @@ class SFTTask:
                    'model = AutoPeftModelForCausalLM.from_pretrained("{repo_id}")' if args.use_lora else
                    'from transformers import pipeline\nchat = pipeline("text-generation", model="{repo_id}")'))
 
-    def setup(self, cfg):
-        args = self.args
-        raw, source = load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
-                                  cfg.trust_remote_code, make_support_conversations, DEFAULT_DATA)
-        train, validation = (read_conversations(raw[split], split) for split in ("train", "validation"))
-        self.teams = list(raw["validation"]["team"]) if source == DEFAULT_DATA else None
+    def load_tokenizer(self, cfg):
         model_path = cfg.model_name_or_path or default_chat_model_path()
-        self.tokenizer = from_pretrained(transformers.AutoTokenizer, model_path,
-                                         trust_remote_code=cfg.trust_remote_code)
-        require_chat_template(self.tokenizer, args.chat_template, model_path)
-        train_set = tokenize_conversations(train, self.tokenizer, cfg.max_seq_length, "train")
-        eval_set = tokenize_conversations(validation, self.tokenizer, cfg.max_seq_length, "validation")
-        eval_set.columns["index"] = list(range(len(eval_set)))  # which rows to generate for
-        count = args.eval_generate if args.eval_generate is not None else len(validation) if self.teams else 0
-        self.prompts = generation_prompts(validation[:count], self.tokenizer)
+        tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
+        require_chat_template(tokenizer, self.args.chat_template, model_path)
+        return tokenizer
 
-        collate, eval_collate, packed, flash = language_model_collators(self.tokenizer, args.packing)
-        model = from_pretrained(transformers.AutoModelForCausalLM, model_path, trust_remote_code=cfg.trust_remote_code,
+    def load_data(self, cfg):
+        return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
+                           cfg.trust_remote_code, make_support_conversations, DEFAULT_DATA)
+
+    def data_options(self, cfg):
+        return {"max_seq_length": cfg.max_seq_length}  # the chat template is the tokenizer's
+
+    def tokenize(self, raw, tokenizer, cfg, tokenizing):
+        tokenize_conversations(raw["train"], tokenizer, cfg.max_seq_length, "train", tokenizing)
+        tokenize_conversations(raw["validation"], tokenizer, cfg.max_seq_length, "validation", tokenizing,
+                               generation_prompts=True)
+        embedded = not (cfg.train_file or cfg.dataset_name)  # its replies name a team: routing accuracy is scored
+        return {"teams": list(raw["validation"]["team"]) if embedded else None}
+
+    def setup(self, cfg, tokenizer, data):
+        args = self.args
+        self.tokenizer, self.teams = tokenizer, data.info["teams"]
+        count = args.eval_generate if args.eval_generate is not None else len(data.validation) if self.teams else 0
+        self.prompted = data.validation.select(range(min(count, len(data.validation))))
+        self.prompts = list(self.prompted["prompt_ids"])
+        collate, eval_collate, packed, flash = language_model_collators(tokenizer, args.packing)
+        model = from_pretrained(transformers.AutoModelForCausalLM, cfg.model_name_or_path or default_chat_model_path(),
+                                trust_remote_code=cfg.trust_remote_code,
                                 **({"attn_implementation": "flash_attention_2"} if flash else {}))
         if args.use_lora:
             model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
         check_output_layer(model)
-        return TaskSetup(train_set, eval_set, collate, model, self.tokenizer, eval_collate=eval_collate,
-                         data_source=source,
-                         summary=f"{sum(train_set.loss_units)} trained tokens, {'packed' if packed else 'padded'} "
-                                 "batches" + (f", LoRA r={args.lora_r} on {args.lora_target_modules}"
-                                              if args.use_lora else ""))
+        train_set = TokenizedDataset(data.train)
+        return TaskSetup(train_set, TokenizedDataset(data.validation, ["input_ids", "labels", "index"]), collate,
+                         model, eval_collate=eval_collate,
+                         summary=f"{int(train_set.loss_units.sum())} trained tokens, "
+                                 f"{'packed' if packed else 'padded'} batches"
+                                 + (f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else ""))
 
     def loss(self, model, batch):
         return -label_log_probs(model, batch)[0].sum()
@@ -115,8 +122,8 @@ class SFTTask:
     def eval_outputs(self, model, batch):
         index = batch.pop("index")
         log_probs, units = summed_log_probs(model, batch, self.args.per_device_eval_max_tokens)
-        replies = greedy_replies(model, index, [p.token_ids for p in self.prompts], self.tokenizer,
-                                 self.args.max_new_tokens, self.args.per_device_eval_max_tokens)
+        replies = greedy_replies(model, index, self.prompts, self.tokenizer, self.args.max_new_tokens,
+                                 self.args.per_device_eval_max_tokens)
         return -log_probs, units, replies
 
     def metrics(self, outputs):
@@ -131,7 +138,7 @@ class SFTTask:
 
     def write_predictions(self, outputs, output_dir):
         if self.generations:
-            write_generations(os.path.join(output_dir, "eval_generations.jsonl"), self.prompts, self.generations)
+            write_generations(os.path.join(output_dir, "eval_generations.jsonl"), self.prompted, self.generations)
 
     def save(self, model, state_dict, tokenizer, output_dir):
         if self.args.use_lora:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from finetune.batching import TokenizedDataset
 from finetune.checkpoint import save_model
 from finetune.config import arg, parse_config
 from finetune.data import check_columns, load_splits
@@ -27,7 +28,7 @@ from finetune.default_tagged_tickets import make_tagged_tickets
 from finetune.errors import run_main
 from finetune.metrics import load_metric
 from finetune.models import default_model_path, from_pretrained
-from finetune.tagging import IGNORE, align_labels, encode_tags, first_pieces, read_conll
+from finetune.tagging import IGNORE, align_labels, count_cut, encode_tags, first_pieces, read_conll
 from finetune.task import ModelCardInfo, TaskSetup
 
 
@@ -48,32 +49,46 @@ class TokenClassifyTask:
         default_base_model="sentence-transformers/all-MiniLM-L6-v2",
         usage='from transformers import pipeline\n'
               'tag = pipeline("token-classification", model="{repo_id}", aggregation_strategy="simple")')
+    tokenizing_code = ("finetune.tagging", "finetune.data", "finetune.default_tagged_tickets")
 
     def __init__(self, args: TokenClassifyArguments):
         self.args = args
 
-    def setup(self, cfg):
+    def load_tokenizer(self, cfg):
+        return from_pretrained(transformers.AutoTokenizer, cfg.model_name_or_path or default_model_path(),
+                               trust_remote_code=cfg.trust_remote_code)
+
+    def load_data(self, cfg):
+        return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
+                           cfg.trust_remote_code, make_tagged_tickets, "tagged support tickets (embedded default)",
+                           readers={".conll": read_conll, ".txt": read_conll})
+
+    def data_options(self, cfg):
+        return {"text_column": self.args.text_column, "label_column": self.args.label_column,
+                "label_all_tokens": self.args.label_all_tokens, "max_seq_length": cfg.max_seq_length}
+
+    def tokenize(self, raw, tokenizer, cfg, tokenizing):
         args = self.args
-        raw, source = load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
-                                  cfg.trust_remote_code, make_tagged_tickets, "tagged support tickets (embedded "
-                                  "default)", readers={".conll": read_conll, ".txt": read_conll})
         raw = check_columns(raw, [args.text_column, args.label_column], "--text_column/--label_column")
-        self.tags, train, validation = encode_tags(raw["train"], raw["validation"], args.text_column,
-                                                   args.label_column)
-        self.eval_words = list(validation["tokens"])
-        model_path = cfg.model_name_or_path or default_model_path()
-        tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
-        train_set, _, _ = align_labels(train, tokenizer, cfg.max_seq_length, args.label_all_tokens, self.tags)
-        eval_set, self.eval_word_ids, eval_cut = align_labels(validation, tokenizer, cfg.max_seq_length,
-                                                              args.label_all_tokens, self.tags)
+        tags, train, validation = encode_tags(raw["train"], raw["validation"], args.text_column, args.label_column)
+        align_labels(train, tokenizer, cfg.max_seq_length, args.label_all_tokens, tags, "train", tokenizing)
+        validation = align_labels(validation, tokenizer, cfg.max_seq_length, args.label_all_tokens, tags,
+                                  "validation", tokenizing, keep_words=True)
+        return {"tags": tags, "validation_cut": count_cut(validation)}
+
+    def setup(self, cfg, tokenizer, data):
+        self.tags = data.info["tags"]
+        self.eval_words = data.validation["words"]
+        self.eval_word_ids = data.validation["word_ids"]
         self.eval_firsts = [first_pieces(word_ids) for word_ids in self.eval_word_ids]  # where each word is read
         model = from_pretrained(
-            transformers.AutoModelForTokenClassification, model_path, num_labels=len(self.tags),
-            id2label=dict(enumerate(self.tags)), label2id={t: i for i, t in enumerate(self.tags)},
-            trust_remote_code=cfg.trust_remote_code)
-        return TaskSetup(train_set, eval_set, transformers.DataCollatorForTokenClassification(tokenizer), model,
-                         tokenizer, data_source=source, summary=f"{len(self.tags)} tags, {eval_cut} validation "
-                         "sentence(s) cut (their cut words are predicted O)")
+            transformers.AutoModelForTokenClassification, cfg.model_name_or_path or default_model_path(),
+            num_labels=len(self.tags), id2label=dict(enumerate(self.tags)),
+            label2id={t: i for i, t in enumerate(self.tags)}, trust_remote_code=cfg.trust_remote_code)
+        return TaskSetup(TokenizedDataset(data.train), TokenizedDataset(data.validation, ["input_ids", "labels"]),
+                         transformers.DataCollatorForTokenClassification(tokenizer), model,
+                         summary=f"{len(self.tags)} tags, {data.info['validation_cut']} validation sentence(s) cut "
+                                 "(their cut words are predicted O)")
 
     def loss(self, model, batch):
         labels = batch.pop("labels")

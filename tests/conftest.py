@@ -12,12 +12,16 @@ import hashlib
 import importlib.util
 import json
 import os
+import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 from safetensors.torch import load_file
 
@@ -27,6 +31,8 @@ CPU_DDP_CONFIG = str(REPO / "accelerate_configs" / "cpu_ddp.yaml")
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tokenized data is cached per session: runs of the same data share a cache, and none outlives the tests.
+os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="finetune-tests-datasets-")
 
 # Small, fast runs: short sequences, a few examples.
 FAST_FLAGS = ["--max_seq_length", "48", "--per_device_eval_batch_size", "4", "--logging_steps", "1"]
@@ -47,6 +53,17 @@ def hub(tmp_path):
         server.env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(tmp_path / "hub-cache"),
                       "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": ""}
         yield server
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
+
+
+def tokenizing(tmp_path: Path):
+    """A fresh ``Tokenizing`` writing under ``tmp_path``, for tokenizing a split in a test."""
+    from finetune.prepared_data import Tokenizing
+
+    return Tokenizing(Path(tempfile.mkdtemp(dir=tmp_path)), workers=None)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -110,6 +127,24 @@ def weight_distance(a, b) -> float:
     return sum(((wa[k].float() - wb[k].float()) ** 2).sum().item() for k in wa) ** 0.5
 
 
+def log_history(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "log_history.jsonl").read_text().splitlines()]
+
+
+def assert_same_training(a, b) -> None:
+    """The same steps, the same gradient norm and loss at each step, and the same final weights.
+
+    Gradient norms are compared because AdamW normalises a uniform scale error in the gradient away:
+    the weights alone would not show it.
+    """
+    history_a, history_b = log_history(a), log_history(b)
+    assert [h["step"] for h in history_a] == [h["step"] for h in history_b] == list(range(1, 10))
+    for step_a, step_b in zip(history_a, history_b, strict=True):
+        assert step_b["grad_norm"] == pytest.approx(step_a["grad_norm"], rel=1e-5), (step_a, step_b)
+        assert step_b["loss"] == pytest.approx(step_a["loss"], rel=1e-5), (step_a, step_b)
+    assert_weights_match_a_parity_run(a, b)
+
+
 def assert_weights_match_a_parity_run(reference, other) -> None:
     """Equal up to float rounding, for two of ``parity_runs``' 9-step runs (checkpoints at steps 4 and 8).
 
@@ -121,6 +156,54 @@ def assert_weights_match_a_parity_run(reference, other) -> None:
     last_step = weight_distance(Path(reference) / "checkpoints" / "step_8", reference)
     assert weight_distance(reference, other) < 0.01 * last_step
     assert max_weight_diff(reference, other) <= 2e-5
+
+
+def assert_adapter_replies_as_generated(out: Path, base_model, max_new_tokens: int, merged_atol: float) -> int:
+    """The adapter saved in ``out``, loaded onto ``base_model`` in this process, greedily replies to each prompt of
+    ``out/eval_generations.jsonl`` what the run generated, and ``out/merged`` gives its logits within
+    ``merged_atol``; returns how many generations there were."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), out).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    generations = [json.loads(line) for line in (out / "eval_generations.jsonl").read_text().splitlines()]
+    for row in generations:
+        ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)
+        with torch.no_grad():
+            reply = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids["input_ids"].shape[1]:]
+            torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, atol=merged_atol, rtol=0)
+        assert tokenizer.decode(reply, skip_special_tokens=True) == row["generation"]
+    return len(generations)
+
+
+def start_and_signal(command: list[str], sig: signal.Signals, target: str) -> tuple[int, str]:
+    """Start ``command``; once training starts, send ``sig`` to the launcher or to rank 1's worker."""
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in job.stdout:
+        lines.append(line)
+        if line.startswith("training classify on"):
+            break
+    else:
+        raise AssertionError("".join(lines[-40:]))
+    if target == "launcher":
+        job.send_signal(sig)
+    else:
+        workers = [p for p in psutil.Process(job.pid).children(recursive=True)
+                   if p.environ().get("RANK") == "1" and "classify.py" in " ".join(p.cmdline())]
+        assert len(workers) == 1, workers
+        workers[0].send_signal(sig)
+    rest, _ = job.communicate(timeout=300)
+    return job.returncode, "".join(lines) + rest
+
+
+def stopped_step(output: str, sig: signal.Signals) -> int:
+    line = next(line for line in output.splitlines() if line.startswith(f"stopped by {sig.name} at step "))
+    return int(line.split(" at step ")[1].split(":")[0])
 
 
 @functools.cache
@@ -136,6 +219,14 @@ def snapshot(folder: Path) -> dict[str, str]:
     """Every file under ``folder`` with its SHA-256, to show that nothing changed."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def limit_file_size():
+    """In a child process (``preexec_fn``): files stop growing at 20 MB (EFBIG), as on a full disk; the signal that
+    comes with it is ignored so that the write fails instead of killing the process. ``sbatch --propagate=FSIZE``
+    passes the limit on to its job."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20 << 20, 20 << 20))
 
 
 def write_csv(path: Path, rows: list[dict]) -> Path:
@@ -192,18 +283,21 @@ def parity_flags(small_data, model: Path, per_device_batch: int, group_by_length
 def parity_runs(small_data, no_dropout_model, tmp_path_factory):
     """Training runs for comparisons, each made once per session and shared.
 
-    ``parity_runs(launcher, processes, per_device_batch, group_by_length=True)`` returns the output
-    folder. Every run: 42 examples in global batches of 8 (the last of each epoch short), accumulation
-    of 2, 3 epochs, checkpoints every 4 steps, dropout off.
+    ``parity_runs(launcher, processes, per_device_batch, group_by_length=True, dropout=False)`` returns the
+    output folder. Every run: 42 examples in global batches of 8 (the last of each epoch short), accumulation
+    of 2, 3 epochs, checkpoints every 4 steps, dropout off unless ``dropout`` (the default model's, 0.1).
     """
+    from finetune.models import default_model_path
+
     made: dict[tuple, Path] = {}
 
-    def get(launcher: str, processes: int, per_device_batch: int, group_by_length: bool = True) -> Path:
-        key = (launcher, processes, per_device_batch, group_by_length)
+    def get(launcher: str, processes: int, per_device_batch: int, group_by_length: bool = True,
+            dropout: bool = False) -> Path:
+        key = (launcher, processes, per_device_batch, group_by_length) + (("dropout",) if dropout else ())
         if key not in made:
             out = tmp_path_factory.mktemp("_".join(map(str, key))) / "out"
-            flags = [*parity_flags(small_data, no_dropout_model, per_device_batch, group_by_length),
-                     "--output_dir", str(out)]
+            model = default_model_path() if dropout else no_dropout_model
+            flags = [*parity_flags(small_data, model, per_device_batch, group_by_length), "--output_dir", str(out)]
             launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
             run(launch(*flags, **({"num_processes": processes} if launcher == "accelerate" else {"nproc": processes})))
             # Resume tests read step_4 of a two-process run, and weight comparisons read step_8's weights;
@@ -215,3 +309,13 @@ def parity_runs(small_data, no_dropout_model, tmp_path_factory):
         return made[key]
 
     return get
+
+
+def tensorboard_scalars(output_dir: Path) -> dict[str, list]:
+    """Every scalar series of the run's TensorBoard folder, as TensorBoard reads it (purged steps dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (folder,) = [p for p in (output_dir / "runs").iterdir() if p.name != "wandb"]
+    accumulator = EventAccumulator(str(folder))
+    accumulator.Reload()
+    return {tag: accumulator.Scalars(tag) for tag in accumulator.Tags()["scalars"]}

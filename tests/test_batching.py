@@ -2,6 +2,7 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
 from finetune.batching import GlobalBatchSampler
 from finetune.default_dataset import LABEL_NAMES, make_support_tickets
@@ -126,3 +127,78 @@ def test_default_dataset_is_deterministic_varied_and_named():
     assert words[len(words) // 2] < 30 and words[-1] > 80, "mostly short, with a long tail"
     shares_ = Counter(first["validation"]["label"])
     assert max(shares_.values()) / len(first["validation"]) < 0.5
+
+
+def plan_in_python(lengths, batch, world, seed, epoch, group, accumulation, units):
+    """The epoch plan written out in Python lists: every rank's ``(indices, num_real, units, loss_scale)`` per
+    micro-batch. With one micro-step per window it is the plan finetune made before numpy; the numpy sampler
+    must give exactly this."""
+    generator = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    size = batch * world * accumulation
+    if group:
+        mega = size * 50
+        order = [i for start in range(0, len(order), mega)
+                 for i in sorted(order[start:start + mega], key=lambda i: -lengths[i])]
+    windows = [order[start:start + size] for start in range(0, len(order), size)]
+    full = [windows[i] for i in torch.randperm(len(windows) - 1, generator=generator).tolist()]
+    if group and full:
+        longest = max(range(len(full)), key=lambda w: max(lengths[i] for i in full[w]))
+        full.insert(0, full.pop(longest))
+    plans = [[] for _ in range(world)]
+    for window in full + windows[-1:]:
+        scale = world / sum(units[i] for i in window)
+        for start in range(0, len(window), batch * world):
+            by_length = sorted(window[start:start + batch * world], key=lambda i: -lengths[i])
+            for rank in range(world):
+                share = by_length[rank::world]
+                plans[rank].append((share, len(share), sum(units[i] for i in share), scale) if share
+                                   else (by_length[:1], 0, 0, 0.0))
+    return plans
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_numpy_plan_is_the_python_plan(seed):
+    rng = random.Random(seed)
+    count = rng.choice([1, 2, 7, rng.randint(1, 400), rng.randint(400, 3000)])
+    lengths = [rng.randint(1, rng.choice([8, 60, 512])) for _ in range(count)]
+    units = [rng.randint(1, 9) for _ in range(count)] if seed % 2 else [1] * count
+    batch, world, accumulation = rng.randint(1, 9), rng.randint(1, 4), rng.randint(1, 4)
+    group = seed % 3 != 0
+    sampler = GlobalBatchSampler(lengths, batch, world, seed=seed, group_by_length=group,
+                                 accumulation_steps=accumulation, loss_units=units)
+    for epoch in (0, 1):
+        expected = plan_in_python(lengths, batch, world, seed, epoch, group, accumulation, units)
+        for rank in range(world):
+            planned = [(list(b), b.num_real, b.units, b.loss_scale) for b in sampler.plan(epoch, rank)]
+            assert planned == expected[rank]
+            resumed_at = len(planned) // 2
+            assert [list(b) for b in sampler.plan(epoch, rank)[resumed_at:]] == [b[0] for b in planned[resumed_at:]]
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_an_optimizer_step_takes_the_same_examples_however_its_global_batch_is_split(group):
+    lengths, units = lengths_with_a_long_tail(count=203), [n // 3 + 1 for n in lengths_with_a_long_tail(count=203)]
+
+    def steps(batch, world, accumulation):
+        sampler = GlobalBatchSampler(lengths, batch, world, seed=3, group_by_length=group,
+                                     accumulation_steps=accumulation, loss_units=units)
+        plans = [list(sampler.plan(1, rank)) for rank in range(world)]
+        micro = [[i for plan in plans for i in plan[b][:plan[b].num_real]] for b in range(len(plans[0]))]
+        scales = [plans[0][b].loss_scale / world for b in range(len(plans[0]))]  # each unit's weight after DDP
+        return [(sorted(sum(micro[s:s + accumulation], [])), scales[s])
+                for s in range(0, len(micro), accumulation)]
+
+    reference = steps(16, 1, 1)
+    for batch, world, accumulation in [(8, 2, 1), (4, 2, 2), (8, 1, 2), (2, 4, 2), (4, 1, 4)]:
+        examples, weights = zip(*steps(batch, world, accumulation), strict=True)
+        assert list(examples) == [step[0] for step in reference]
+        assert list(weights) == pytest.approx([step[1] for step in reference], rel=1e-12)
+
+
+def test_the_sampler_starts_a_resumed_epoch_where_it_stopped():
+    lengths = lengths_with_a_long_tail()
+    sampler = GlobalBatchSampler(lengths, 4, 2, seed=3, group_by_length=True)
+    whole = list(sampler)
+    sampler.set_epoch(0, skip_batches=5)
+    assert list(sampler) == whole[5 * 2:] and len(sampler) == len(whole) - 5 * 2

@@ -2,32 +2,42 @@ import logging
 
 import pytest
 import torch
+from conftest import snapshot
 from safetensors.torch import save_file
 
 from finetune.checkpoint import (
     Progress,
     check_output_dir,
     check_unwrapped,
+    clear_output_dir,
     find_latest_checkpoint,
     load_state_dict_unwrapped,
+    output_dir_lock,
     prune_checkpoints,
+    read_progress,
     resolve_resume_checkpoint,
+    resumed_progress,
     verify_checkpoint,
+    write_final_model,
     write_manifest,
     write_progress,
 )
 from finetune.errors import UserError
 
 
-def make_checkpoint(root, step, complete=True):
+def make_checkpoint(root, step, complete=True, run_id="", launch_id=""):
     folder = root / "checkpoints" / f"step_{step}"
     folder.mkdir(parents=True)
     (folder / "model.safetensors").write_bytes(b"weights" * 100)
     (folder / "optimizer.bin").write_bytes(b"moments" * 100)
-    write_progress(folder, Progress(global_step=step))
+    write_progress(folder, Progress(global_step=step, run_id=run_id, launch_id=launch_id))
     if complete:
         write_manifest(folder, Progress(global_step=step, world_size=2, seed=7))
     return folder
+
+
+def names(root) -> list[str]:
+    return sorted(p.name for p in (root / "checkpoints").iterdir())
 
 
 def test_latest_is_the_newest_complete_checkpoint(tmp_path):
@@ -43,19 +53,25 @@ def test_latest_without_checkpoints_starts_fresh(tmp_path):
     assert resolve_resume_checkpoint("latest", str(tmp_path)) is None
 
 
-def test_prune_keeps_the_newest_complete_ones(tmp_path):
+def test_prune_keeps_the_newest_of_this_run_and_never_touches_another_runs(tmp_path):
+    """A run resumed from step_2 of run "a", beside run "b"'s step_9 and step_10: with a limit of 2, what goes is
+    "a"'s oldest up to the step just written; "b"'s (higher steps) and "a"'s step_8 (beyond it) stay."""
     for step in (2, 4, 6, 8):
-        make_checkpoint(tmp_path, step)
-    prune_checkpoints(str(tmp_path), 2)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_6", "step_8"]
+        make_checkpoint(tmp_path, step, run_id="a")
+    for step in (9, 10):
+        make_checkpoint(tmp_path, step, run_id="b")
+    prune_checkpoints(str(tmp_path), 2, Progress(global_step=6, run_id="a"))
+    assert names(tmp_path) == ["step_10", "step_4", "step_6", "step_8", "step_9"]
 
 
 def test_output_dir_rules(tmp_path):
-    check_output_dir(str(tmp_path / "new"), overwrite=False, resuming=False)
-    (tmp_path / "model.safetensors").write_bytes(b"x")
-    with pytest.raises(UserError, match="already holds a model"):
-        check_output_dir(str(tmp_path), overwrite=False, resuming=False)
-    check_output_dir(str(tmp_path), overwrite=True, resuming=False)
+    check_output_dir(str(tmp_path / "new"), overwrite=False, resume_from=None)
+    for model_file in ("model.safetensors", "adapter_config.json"):
+        (tmp_path / model_file).write_bytes(b"x")
+        with pytest.raises(UserError, match="already holds a model"):
+            check_output_dir(str(tmp_path), overwrite=False, resume_from=None)
+        check_output_dir(str(tmp_path), overwrite=True, resume_from=None)
+        (tmp_path / model_file).unlink()
 
 
 def test_a_wrapped_state_dict_is_refused_at_save_time():
@@ -131,11 +147,115 @@ def test_a_file_the_manifest_does_not_list_is_refused(tmp_path):
         verify_checkpoint(folder)
 
 
-def test_a_fresh_run_into_another_runs_checkpoints_is_refused_unless_overwritten(tmp_path):
-    make_checkpoint(tmp_path, 4)
+def test_a_fresh_run_into_another_runs_checkpoints_is_refused_and_overwriting_waits_for_the_start(tmp_path):
+    old = make_checkpoint(tmp_path, 4, run_id="old")
+    (tmp_path / "log_history.jsonl").write_text('{"step": 4}\n')
     with pytest.raises(UserError, match=r"another run's checkpoints \(step_4\)"):
-        check_output_dir(str(tmp_path), overwrite=False, resuming=False)
-    check_output_dir(str(tmp_path), overwrite=False, resuming=True)
-    assert (tmp_path / "checkpoints" / "step_4").is_dir(), "resuming keeps them"
-    check_output_dir(str(tmp_path), overwrite=True, resuming=False)
-    assert not (tmp_path / "checkpoints").exists(), "--overwrite_output_dir removes them"
+        check_output_dir(str(tmp_path), overwrite=False, resume_from=None)
+    check_output_dir(str(tmp_path), overwrite=False, resume_from=old)
+    before = snapshot(tmp_path)
+    check_output_dir(str(tmp_path), overwrite=True, resume_from=None)
+    assert snapshot(tmp_path) == before, "checking removes nothing: the run may still stop on bad input"
+    clear_output_dir(str(tmp_path), Progress(run_id="new"), overwrite=True)
+    assert names(tmp_path) == [] and not (tmp_path / "log_history.jsonl").exists()
+
+
+def test_a_resume_into_a_folder_with_another_runs_later_steps_is_refused_unless_overwritten(tmp_path):
+    """Run "a" resumes from its step_100 into a folder where run "b" got to step_1000: `latest` would continue
+    "b" later, and a limit on checkpoints would count "b"'s. Overwriting removes "b"'s once "a" starts."""
+    resumed = make_checkpoint(tmp_path, 100, run_id="a")
+    make_checkpoint(tmp_path, 50, run_id="b")
+    make_checkpoint(tmp_path, 900, run_id="b")
+    make_checkpoint(tmp_path, 1000, run_id="b")
+    before = snapshot(tmp_path)
+    with pytest.raises(UserError, match=r"another run's checkpoints of later steps \(step_900, step_1000\)"):
+        check_output_dir(str(tmp_path), overwrite=False, resume_from=resumed)
+    check_output_dir(str(tmp_path), overwrite=True, resume_from=resumed)
+    assert snapshot(tmp_path) == before
+    clear_output_dir(str(tmp_path), read_progress(resumed), overwrite=True)
+    assert names(tmp_path) == ["step_100"]
+
+
+def test_latest_for_a_restarted_launch_is_its_own_newest_checkpoint(tmp_path):
+    own = make_checkpoint(tmp_path, 4, launch_id="slurm:c:7")
+    make_checkpoint(tmp_path, 8, launch_id="slurm:c:6")  # the run this launch overwrites, not yet removed
+    assert find_latest_checkpoint(str(tmp_path), "slurm:c:7") == own
+    assert find_latest_checkpoint(str(tmp_path), "slurm:c:8") is None
+
+
+def test_a_lock_file_planted_as_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".finetune.lock").symlink_to(victim)
+    with pytest.raises(UserError, match=r"\.finetune\.lock is a symbolic link"):
+        with output_dir_lock(str(out)):
+            pass
+    assert victim.read_text() == "precious"
+
+
+def test_the_final_model_replaces_the_old_only_once_complete(tmp_path):
+    out = tmp_path / "out"
+    (out / "merged").mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "merged/model.safetensors", "notes.txt"):
+        (out / name).write_text(f"old {name}")
+    before = snapshot(out)
+
+    def torn(folder):
+        (folder / "model.safetensors").write_text("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_final_model(str(out), torn)
+    assert snapshot(out) == before, "a failed save leaves the old model as it was, and nothing else"
+
+    def complete(folder):
+        (folder / "merged").mkdir()
+        for name in ("model.safetensors", "config.json", "merged/model.safetensors", "merged/config.json"):
+            (folder / name).write_text(f"new {name}")
+
+    assert write_final_model(str(out), complete) == ["config.json", "merged/config.json", "merged/model.safetensors",
+                                                     "model.safetensors"]
+    assert {name: (out / name).read_text() for name in ("model.safetensors", "merged/model.safetensors",
+                                                        "notes.txt")} == {
+        "model.safetensors": "new model.safetensors", "merged/model.safetensors": "new merged/model.safetensors",
+        "notes.txt": "old notes.txt"}
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "merged", "model.safetensors", "notes.txt"]
+
+
+def progress(world_size, batch, accumulation, **position):
+    return Progress(world_size=world_size, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                    runtime="ddp", **position)
+
+
+def test_another_world_size_resumes_when_the_global_batch_is_kept(tmp_path):
+    saved = progress(2, 4, 2, global_step=5, epoch=1, batches_in_epoch=4, seed=7)
+    resumed = resumed_progress(saved, progress(1, 8, 2), tmp_path, batches_per_rank=6)
+    assert resumed == progress(1, 8, 2, global_step=5, epoch=1, batches_in_epoch=4, seed=7)
+    # Another split of the same 16 examples a step: the position carries over in optimizer steps (2 done).
+    assert resumed_progress(saved, progress(2, 8, 1), tmp_path, batches_per_rank=3).batches_in_epoch == 2
+    assert resumed_progress(saved, progress(1, 4, 4), tmp_path, batches_per_rank=11).batches_in_epoch == 8
+    # At the end of an epoch with a short last window, the end of the epoch in the new split.
+    end = progress(1, 4, 4, global_step=3, batches_in_epoch=11)
+    assert resumed_progress(end, progress(2, 8, 1), tmp_path, batches_per_rank=3).batches_in_epoch == 3
+
+
+@pytest.mark.parametrize(("run", "advice"), [
+    (progress(1, 4, 2), "with 1 process(es), pass --per_device_train_batch_size 8 or --gradient_accumulation_steps 4"),
+    (progress(4, 8, 1), "with 4 process(es), pass --per_device_train_batch_size 4"),
+    (progress(4, 3, 3), "with 4 process(es), pass --per_device_train_batch_size 4 --gradient_accumulation_steps 1"),
+    (progress(3, 4, 2), "resume with a number of processes that divides 16, such as 2"),
+])
+def test_a_changed_global_batch_is_refused_with_the_numbers_that_keep_it(tmp_path, run, advice):
+    with pytest.raises(UserError, match="written with a global batch of 16 \\(4 per device x 2 process\\(es\\) x 2 "
+                                        "accumulation step\\(s\\)\\)") as refused:
+        resumed_progress(progress(2, 4, 2), run, tmp_path, batches_per_rank=3)
+    assert str(refused.value).endswith(advice)
+
+
+def test_a_checkpoint_that_does_not_record_its_batch_resumes_only_at_its_world_size(tmp_path):
+    old = Progress(global_step=3, world_size=2, runtime="ddp")
+    assert resumed_progress(old, progress(2, 4, 1), tmp_path, batches_per_rank=3).per_device_train_batch_size == 4
+    with pytest.raises(UserError, match="written by 2 processes and this run has 1; the checkpoint does not record"):
+        resumed_progress(old, progress(1, 8, 1), tmp_path, batches_per_rank=3)

@@ -18,6 +18,7 @@ from conftest import (
     read_results,
     read_weights,
     run,
+    tensorboard_scalars,
     torchrun_cmd,
 )
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -120,7 +121,12 @@ def test_resume_mid_epoch_two_gives_the_uninterrupted_weights(small_data, tmp_pa
          "--checkpoints_total_limit", "2", "--with_tracking", "--report_to", "tensorboard"])
     checkpoints = sorted(p.name for p in (full / "checkpoints").iterdir())
     assert checkpoints == ["step_12", "step_16"], "the limit keeps the newest two"
-    assert list((full / "runs").rglob("events.out.tfevents.*")), "tensorboard got the metrics"
+    history = [json.loads(line) for line in (full / "log_history.jsonl").read_text().splitlines()]
+    logged = tensorboard_scalars(full)
+    for key in ("loss", "learning_rate", "grad_norm"):  # each step's values, as TensorBoard reads them back
+        assert [(e.step, e.value) for e in logged[key]] == [
+            (row["step"], pytest.approx(row[key], rel=1e-6)) for row in history], key
+    assert [e.step for e in logged["loss"]] == list(range(1, 19))
 
     progress = json.loads((full / "checkpoints" / "step_16" / "progress.json").read_text())
     # 6 optimizer steps per epoch: step 16 is 4 steps (8 micro-batches) into the third epoch.

@@ -10,8 +10,10 @@ from conftest import (
     FAST_FLAGS,
     RECIPE,
     accelerate_cmd,
+    assert_same_training,
     assert_weights_match_a_parity_run,
     data_flags,
+    log_history,
     parity_flags,
     read_results,
     run,
@@ -21,24 +23,6 @@ from transformers import AutoModelForSequenceClassification
 
 pytestmark = pytest.mark.multiprocess
 METRICS = ("eval_accuracy", "eval_f1")
-
-
-def log_history(folder) -> list[dict]:
-    return [json.loads(line) for line in (folder / "log_history.jsonl").read_text().splitlines()]
-
-
-def assert_same_training(a, b) -> None:
-    """The same steps, the same gradient norm and loss at each step, and the same final weights.
-
-    Gradient norms are compared because AdamW normalises a uniform scale error in the gradient away:
-    the weights alone would not show it.
-    """
-    history_a, history_b = log_history(a), log_history(b)
-    assert [h["step"] for h in history_a] == [h["step"] for h in history_b] == list(range(1, 10))
-    for step_a, step_b in zip(history_a, history_b, strict=True):
-        assert step_b["grad_norm"] == pytest.approx(step_a["grad_norm"], rel=1e-5), (step_a, step_b)
-        assert step_b["loss"] == pytest.approx(step_a["loss"], rel=1e-5), (step_a, step_b)
-    assert_weights_match_a_parity_run(a, b)
 
 
 def test_torchrun_selects_raw_ddp_and_matches_accelerate(parity_runs):
@@ -99,13 +83,22 @@ def test_eval_metrics_are_identical_for_world_sizes_1_2_3(small_data, no_dropout
 @pytest.mark.parametrize(("written_by", "resumed_by"), [("accelerate", "torchrun"), ("torchrun", "accelerate")])
 def test_a_checkpoint_resumes_under_the_other_runtime(parity_runs, small_data, no_dropout_model, tmp_path,
                                                       written_by, resumed_by):
+    """The resumed run goes on from step 4 and logs steps 5 to 9 as the uninterrupted run under its own runtime
+    does: a run that ignored the checkpoint would log steps 1 to 9, with other losses."""
     checkpoint = parity_runs(written_by, 2, 4) / "checkpoints" / "step_4"  # one step into the second epoch
     resumed = tmp_path / "resumed"
     launch = accelerate_cmd if resumed_by == "accelerate" else torchrun_cmd
-    run(launch(*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(resumed),
-               "--resume_from_checkpoint", str(checkpoint)))
+    result = run(launch(*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(resumed),
+                        "--resume_from_checkpoint", str(checkpoint)))
+    assert f"resumed from {checkpoint} at step 4" in result.stdout
     assert read_results(resumed)["runtime"] == ("accelerate" if resumed_by == "accelerate" else "ddp")
-    assert_weights_match_a_parity_run(parity_runs(resumed_by, 2, 4), resumed)
+    reference = parity_runs(resumed_by, 2, 4)
+    history, expected = log_history(resumed), log_history(reference)[4:]
+    assert [h["step"] for h in history] == [h["step"] for h in expected] == [5, 6, 7, 8, 9]
+    for ours, theirs in zip(history, expected, strict=True):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    assert_weights_match_a_parity_run(reference, resumed)
 
 
 @pytest.mark.parametrize("runtime", ["ddp", "accelerate"])

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST_FLAGS, REPO, data_flags, max_weight_diff, read_results, run, torchrun_cmd
+from conftest import FAST_FLAGS, REPO, data_flags, max_weight_diff, parity_flags, read_results, run, torchrun_cmd
 
 from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
 
@@ -70,14 +70,16 @@ def test_a_damaged_checkpoint_is_refused_by_name(small_data, tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_resuming_with_another_world_size_stops_with_the_reason(small_data, tmp_path):
+def test_resuming_with_another_global_batch_stops_with_the_numbers_to_use(small_data, tmp_path):
     out = tmp_path / "out"
     flags = training_flags(small_data, out)
     run([sys.executable, "recipes/classify.py", *flags, "--max_train_steps", "2"])
     result = run(torchrun_cmd(*flags, "--resume_from_checkpoint", str(out / "checkpoints" / "step_2")),
                  check=False)
     assert result.returncode != 0
-    assert "was written by 1 processes and this run has 2" in result.stderr
+    assert ("was written with a global batch of 8 (8 per device x 1 process(es) x 1 accumulation step(s)) and this "
+            "run's is 16 (8 per device x 2 process(es)") in result.stderr
+    assert "with 2 process(es), pass --per_device_train_batch_size 4" in result.stderr
     assert read_results(out)["global_step"] == 2, "the earlier run's results are untouched"
 
 
@@ -121,32 +123,33 @@ def test_a_killed_worker_is_restarted_and_the_job_finishes_as_if_never_killed(
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("runtime", ["ddp", "accelerate"])
 def test_a_save_slower_than_the_timeout_on_rank_0_does_not_abort_the_others(small_data, tmp_path, runtime):
+    """Rank 0 is frozen (SIGSTOP) once it starts writing the final model, for twice the collective timeout."""
+    import psutil
     from conftest import accelerate_cmd
 
     out = tmp_path / "out"
-    out.mkdir()
-    # save_pretrained writes config.json with open(): as a named pipe, opening it blocks rank 0's save
-    # until the test opens the other end, which it does twice the collective timeout later.
-    os.mkfifo(out / "config.json")
     timeout = 4
     launch = torchrun_cmd if runtime == "ddp" else accelerate_cmd
+    log = open(tmp_path / "output.txt", "w+")  # read back at the end
     job = subprocess.Popen(launch(*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "4",
                                   "--max_train_steps", "2", "--output_dir", str(out), "--ddp_timeout", str(timeout),
                                   "--runtime", runtime),
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = []
-    for line in job.stdout:  # the last evaluation is printed just before the save
-        output.append(line)
-        if "epoch 0: eval_accuracy" in line:
-            break
-    assert job.poll() is None, "".join(output)[-4000:]
+                           cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not (rank_0 := [p for p in psutil.Process(job.pid).children(recursive=True)
+                          if p.environ().get("RANK") == "0" and "classify.py" in " ".join(p.cmdline())]):
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    wait_for(out / ".final.partial", job, timeout=300, interval=0.001)
+    rank_0[0].send_signal(signal.SIGSTOP)
     time.sleep(2 * timeout)
-    assert job.poll() is None, "the job died while rank 0 was saving:\n" + job.communicate()[0][-4000:]
-    with open(out / "config.json", "rb") as pipe:
-        config = pipe.read()
-    output.append(job.communicate(timeout=120)[0])
-    assert job.returncode == 0, "".join(output)[-4000:]
-    assert b'"id2label"' in config
+    alive = job.poll() is None
+    rank_0[0].send_signal(signal.SIGCONT)
+    job.wait(timeout=120)
+    log.seek(0)
+    assert alive, "the job died while rank 0 was saving:\n" + log.read()[-4000:]
+    assert job.returncode == 0, log.read()[-4000:]
+    assert '"id2label"' in (out / "config.json").read_text()
     assert read_results(out)["world_size"] == 2
 
 
@@ -180,6 +183,38 @@ def test_a_checkpoint_file_that_would_run_code_is_refused(small_data, tmp_path):
     assert not marker.exists(), "loading ran code from the checkpoint"
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "loading it could run code" in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.multiprocess
+def test_a_restart_before_overwrite_output_dir_acts_never_resumes_the_run_being_replaced(
+        parity_runs, small_data, no_dropout_model, tmp_path):
+    """A fresh run with --overwrite_output_dir into a folder with another run's checkpoint dies before it has
+    removed it (its worker killed as it starts); torchrun restarts it, and it starts fresh again."""
+    import shutil
+
+    import psutil
+
+    from finetune.checkpoint import read_progress
+
+    out = tmp_path / "out"
+    replaced = out / "checkpoints" / "step_4"
+    shutil.copytree(parity_runs("torchrun", 2, 4) / "checkpoints" / "step_4", replaced)
+    replaced_run = read_progress(replaced).run_id
+    command = torchrun_cmd(*parity_flags(small_data, no_dropout_model, 8), "--output_dir", str(out),
+                           "--overwrite_output_dir", nproc=1)
+    command.insert(command.index("--nproc_per_node"), "--max-restarts=1")
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (workers := [p for p in psutil.Process(job.pid).children(recursive=True)
+                           if "classify.py" in " ".join(p.cmdline())]):
+        assert job.poll() is None and time.monotonic() < deadline
+        time.sleep(0.005)
+    workers[0].send_signal(signal.SIGKILL)
+    output, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, output[-4000:]
+    assert "resumed from" not in output
+    assert read_progress(out / "checkpoints" / "step_4").run_id != replaced_run
+    assert max_weight_diff(parity_runs("torchrun", 1, 8), out) <= 1e-6
 
 
 @pytest.mark.multiprocess

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ from conftest import (
     FAST_FLAGS,
     HUB_READ_ONLY_TOKEN,
     HUB_TOKEN,
+    REPO,
     data_flags,
     max_weight_diff,
     read_results,
@@ -40,18 +43,33 @@ def push_flags(small_data, out, repo="alice/support-classifier", token=TOKEN, *e
 
 def assert_token_nowhere(folder: Path, *texts: str) -> None:
     for path in folder.rglob("*"):
-        if path.is_file():
+        if path.is_file() and not path.is_symlink():
             assert TOKEN.encode() not in path.read_bytes(), f"the token is in {path}"
     for text in texts:
         assert TOKEN not in text
 
 
+def plant_what_must_not_be_pushed(tmp_path: Path, out: Path) -> None:
+    """An earlier run's merged model and the user's notes in ``out``; links to a --config file that holds the
+    token and to a dataset, both outside it."""
+    outside = tmp_path / "outside"
+    (outside / "dataset").mkdir(parents=True)
+    (outside / "dataset" / "train.csv").write_text("text,label\nsecret customer data,billing\n")
+    (outside / "run.yaml").write_text(f"hub_token: {TOKEN}\n")
+    (out / "merged").mkdir(parents=True)
+    (out / "merged" / "model.safetensors").write_text("an earlier run's merged model")
+    (out / "notes.txt").write_text("the user's notes")
+    (out / "run.yaml").symlink_to(outside / "run.yaml")
+    (out / "dataset").symlink_to(outside / "dataset")
+
+
 @pytest.mark.multiprocess
-def test_every_save_pushes_each_checkpoint_and_the_end_from_rank_0(hub, small_data, tmp_path):
+def test_every_save_pushes_each_checkpoint_and_then_only_what_the_run_saved_from_rank_0(hub, small_data, tmp_path):
     out = tmp_path / "out"
+    plant_what_must_not_be_pushed(tmp_path, out)
     # 42 examples, global batch 2 x 4 = 8: 6 steps; checkpoints at steps 3 and 6.
     args = push_flags(small_data, out, "alice/support-classifier", TOKEN, "--hub_strategy", "every_save",
-                      "--checkpointing_steps", "3")
+                      "--checkpointing_steps", "3", "--overwrite_output_dir")
     args[args.index("--per_device_train_batch_size") + 1] = "4"
     result = run(torchrun_cmd(*args), env=hub.env)
 
@@ -62,7 +80,9 @@ def test_every_save_pushes_each_checkpoint_and_the_end_from_rank_0(hub, small_da
     assert (results["runtime"], results["world_size"]) == ("ddp", 2)
     assert [p["commit_id"] for p in results["hub_pushes"]] == [c["sha"] for c in commits]
     files = hub.files("alice/support-classifier")
-    assert not any(name.startswith(("checkpoints/", "runs/", ".hub_staging/")) for name in files)
+    assert sorted(files) == ["README.md", "all_results.json", "config.json", "eval_predictions.jsonl",
+                             "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert (out / "merged" / "model.safetensors").is_file() and (out / "notes.txt").is_file(), "nothing else went"
     card = files["README.md"].decode()
     assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in card and "eval_accuracy" in card
     assert "from_pretrained" in card or "pipeline(" in card
@@ -197,7 +217,7 @@ def test_the_uploader_process_commits_in_order_at_low_priority_and_ends_with_its
     stage.mkdir(parents=True)
     older = tmp_path / ".hub_staging" / "step_2"  # a failed push's copy, superseded by this one
     older.mkdir()
-    uploader = subprocess.Popen([sys.executable, "finetune/hub_uploader.py", "alice/uploads"], text=True,
+    uploader = subprocess.Popen([sys.executable, "finetune/hub_uploader.py", "alice/uploads", "60"], text=True,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 env={**os.environ, **hub.env, "HF_TOKEN": TOKEN})
     jobs = [{"push": 1, "message": "first", "files": [["a.txt", str(tmp_path / "a.txt")]], "stage": str(stage),
@@ -236,15 +256,116 @@ def test_the_model_card_never_shows_the_token_however_the_flag_was_written(spell
     assert TOKEN not in str(card) and "***" in str(card)
 
 
-def test_hidden_files_and_folders_are_never_pushed(tmp_path):
-    from finetune.hub import IGNORE_PATTERNS, _files
+def test_hidden_files_symbolic_links_and_what_they_lead_to_are_never_pushed(tmp_path):
+    from finetune.hub import _files
 
-    for name in ("model.safetensors", "config.json", ".env", ".git/config", ".hub_staging/step_2/model.safetensors",
-                 "sub/.secret", "checkpoints/step_2/model.safetensors", "runs/events"):
+    folder, outside = tmp_path / "checkpoint", tmp_path / "outside"
+    for name in ("checkpoint/model.safetensors", "checkpoint/sub/config.json", "checkpoint/.env",
+                 "checkpoint/.git/config", "checkpoint/sub/.secret", "outside/data/train.csv", "outside/run.yaml"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
-    assert [repo_path for repo_path, _ in _files(tmp_path, "", ignore=IGNORE_PATTERNS)] == ["config.json",
-                                                                                           "model.safetensors"]
+    (folder / "run.yaml").symlink_to(outside / "run.yaml")  # a --config file that holds the token
+    (folder / "data").symlink_to(outside / "data")  # a linked dataset
+    assert _files(folder) == ["model.safetensors", "sub/config.json"]
+
+
+@pytest.mark.multiprocess
+def test_a_sigterm_to_torchrun_stops_the_run_and_the_stop_checkpoint_still_reaches_the_hub(hub, small_data, tmp_path):
+    """torchrun passes the SIGTERM to its worker's whole process group: the uploader is in a session of its own."""
+    out = tmp_path / "out"
+    args = push_flags(small_data, out, "alice/stopped", TOKEN, "--per_device_train_batch_size", "4")
+    job = subprocess.Popen(torchrun_cmd(*args, nproc=1), cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env={**os.environ, **hub.env})
+    lines = []
+    for line in job.stdout:
+        lines.append(line)
+        if line.startswith("training classify on"):
+            job.send_signal(signal.SIGTERM)
+            break
+    output = "".join(lines) + job.communicate(timeout=120)[0]
+    step = int(re.search(r"stopped by SIGTERM at step (\d+)", output).group(1))
+    assert [c["summary"] for c in hub.commits("alice/stopped")] == [f"Training in progress, step {step}"], output
+    # Reported by the run, or, if it ran out of its time after the signal first, by the uploader it left behind.
+    assert re.search(rf"hub push 1 \(Training in progress, step {step}\) to alice/stopped(, after the run ended)?: "
+                     "commit", output), output[-3000:]
+    assert not list((out / ".hub_staging").iterdir()), "the pushed staging copy is gone"
+    assert hub.files("alice/stopped")["model.safetensors"] == (
+        out / "checkpoints" / f"step_{step}" / "model.safetensors").read_bytes()
+
+
+class Saves:
+    """Stands for a model config or tokenizer: ``save_pretrained`` writes one small file."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def save_pretrained(self, folder) -> None:
+        (Path(folder) / self.name).write_text("{}")
+
+
+def test_the_uploader_leads_its_own_low_priority_session_and_a_dead_one_is_reported_once(hub, tmp_path, capfd,
+                                                                                        monkeypatch):
+    from finetune.hub import HubPusher
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    for name, value in hub.env.items():
+        monkeypatch.setenv(name, value)
+    pusher = HubPusher(enabled=True, output_dir=str(tmp_path), repo_id="alice/dead", token=TOKEN, private=False,
+                       revision=None, strategy="every_save", timeout=30)
+    # In a session of its own, it is a scheduling group of its own, which it puts at nice 10 as well: else it
+    # would share the CPU with training's session as an equal.
+    autogroup, deadline = Path(f"/proc/{pusher._uploader.pid}/autogroup"), time.monotonic() + 30
+    while not autogroup.read_text().strip().endswith("nice 10"):
+        assert time.monotonic() < deadline, autogroup.read_text()
+        time.sleep(0.05)
+    assert os.getsid(pusher._uploader.pid) == pusher._uploader.pid
+    os.kill(pusher._uploader.pid, signal.SIGSTOP)  # holds the first push while its staging copy is looked at
+    for step in (1, 2, 3):
+        folder = tmp_path / "checkpoints" / f"step_{step}"
+        folder.mkdir(parents=True)
+        for name in ("model.safetensors", "optimizer.bin", "progress.json"):
+            (folder / name).write_text(f"{name} {step}")
+        pusher.push_checkpoint(folder, step, Saves("config.json"), Saves("tokenizer.json"))
+        if step == 1:
+            staged = tmp_path / ".hub_staging" / "step_1"
+            assert sorted(p.name for p in staged.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+            os.kill(pusher._uploader.pid, signal.SIGKILL)
+            pusher._uploader.wait()
+    assert sorted(p.name for p in (tmp_path / ".hub_staging").iterdir()) == ["step_1"]
+    assert capfd.readouterr().err.count("warning: the Hub uploader stopped (exit status -9)") == 1
+    pushes = pusher.finish()
+    assert [("error" in p, p.get("message")) for p in pushes] == [
+        (True, f"Training in progress, step {step}") for step in (1, 2, 3)]
+
+
+def test_a_queued_checkpoint_push_is_skipped_for_a_newer_one(hub, tmp_path, monkeypatch):
+    """While the first push stalls, three more are queued: the step-2 checkpoint's gives way to step 3's."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    HfApi(endpoint=hub.url, token=TOKEN).create_repo("alice/lagging")
+    hub.faults = [Fault("/commit/", "stall", times=1, seconds=2)]
+    jobs = []
+    for push, stage in enumerate(("step_1", "step_2", "step_3", None), start=1):
+        (tmp_path / f"{push}.txt").write_text(str(push))
+        if stage:
+            (tmp_path / ".hub_staging" / stage).mkdir(parents=True)
+        jobs.append({"push": push, "message": f"push {push}", "files": [[f"{push}.txt", str(tmp_path / f"{push}.txt")]],
+                     "stage": str(tmp_path / ".hub_staging" / stage) if stage else None, "saved_at": time.time()})
+    uploader = subprocess.Popen([sys.executable, "finetune/hub_uploader.py", "alice/lagging", "60"], text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                env={**os.environ, **hub.env, "HF_TOKEN": TOKEN})
+    uploader.stdin.write(json.dumps(jobs[0]) + "\n")
+    uploader.stdin.flush()
+    deadline = time.monotonic() + 30
+    while not any("/commit/" in path for _, path, _ in hub.requests):  # the first push has started
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stdout, _ = uploader.communicate("".join(json.dumps(job) + "\n" for job in jobs[1:]), timeout=60)
+    outcomes = [json.loads(line) for line in stdout.splitlines()]
+    assert [o.get("superseded_by") for o in outcomes] == [None, 3, None, None]
+    assert all("commit_id" in o for o in outcomes if o["push"] != 2)
+    assert [c["summary"] for c in hub.commits("alice/lagging")][-3:] == ["push 1", "push 3", "push 4"]
+    assert not (tmp_path / ".hub_staging" / "step_2").exists()
 
 
 def test_queuing_pushes_never_waits_for_an_uploader_that_stopped_reading(hub, tmp_path):

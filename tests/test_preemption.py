@@ -6,8 +6,8 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
-import psutil
 import pytest
 from conftest import (
     REPO,
@@ -18,37 +18,13 @@ from conftest import (
     python_cmd,
     read_results,
     run,
+    start_and_signal,
+    stopped_step,
     torchrun_cmd,
 )
 
 from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
 from finetune.errors import STOPPED_EXIT_CODE
-
-
-def start_and_signal(command: list[str], sig: signal.Signals, target: str) -> tuple[int, str]:
-    """Start ``command``; once training starts, send ``sig`` to the launcher or to rank 1's worker."""
-    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in job.stdout:
-        lines.append(line)
-        if line.startswith("training classify on"):
-            break
-    else:
-        raise AssertionError("".join(lines[-40:]))
-    if target == "launcher":
-        job.send_signal(sig)
-    else:
-        workers = [p for p in psutil.Process(job.pid).children(recursive=True)
-                   if p.environ().get("RANK") == "1" and "classify.py" in " ".join(p.cmdline())]
-        assert len(workers) == 1, workers
-        workers[0].send_signal(sig)
-    rest, _ = job.communicate(timeout=300)
-    return job.returncode, "".join(lines) + rest
-
-
-def stopped_step(output: str, sig: signal.Signals) -> int:
-    line = next(line for line in output.splitlines() if line.startswith(f"stopped by {sig.name} at step "))
-    return int(line.split(" at step ")[1].split(":")[0])
 
 
 @pytest.mark.multiprocess
@@ -59,9 +35,14 @@ def stopped_step(output: str, sig: signal.Signals) -> int:
 def test_a_stop_signal_saves_that_step_and_the_same_command_resumes_to_the_same_weights(
         parity_runs, small_data, no_dropout_model, tmp_path, launcher, sig, target):
     """Every rank learns of the signal at the next optimizer step (a worker's own signal through a collective),
-    saves it as a checkpoint (also between --checkpointing_steps), and exits."""
+    saves it as a checkpoint (also between --checkpointing_steps), and exits. Under Accelerate dropout is on:
+    a rank whose RNG state was not restored (Accelerate skips one it cannot load) would draw other masks."""
+    from finetune.models import default_model_path
+
     out = tmp_path / "out"
-    flags = [*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(out)]
+    dropout = launcher == "accelerate"
+    model = default_model_path() if dropout else no_dropout_model
+    flags = [*parity_flags(small_data, model, 4), "--output_dir", str(out)]
     launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
     _, output = start_and_signal(launch(*flags), sig, target)
     step = stopped_step(output, sig)
@@ -74,7 +55,34 @@ def test_a_stop_signal_saves_that_step_and_the_same_command_resumes_to_the_same_
     resumed = run(launch(*flags, "--resume_from_checkpoint", "latest"))
     assert f"resumed from {latest} at step {step}" in resumed.stdout
     assert read_results(out)["global_step"] == 9
-    assert max_weight_diff(parity_runs(launcher, 2, 4), out) <= 1e-6
+    assert max_weight_diff(parity_runs(launcher, 2, 4, dropout=dropout), out) <= 1e-6
+
+
+def test_a_stop_during_the_final_evaluation_saves_the_last_step_without_waiting_for_the_evaluation(small_data,
+                                                                                                   tmp_path):
+    """The stop is checked before every evaluation batch: 200 evaluation examples one at a time take seconds,
+    and a slow evaluation (generation) could outlast the time a scheduler gives before SIGKILL."""
+    from conftest import write_csv
+
+    from finetune.default_dataset import LABEL_NAMES, make_support_tickets
+
+    validation = write_csv(tmp_path / "validation.csv", [{"text": r["text"], "label": LABEL_NAMES[r["label"]]}
+                                                         for r in make_support_tickets()["validation"]][:200])
+    out = tmp_path / "out"
+    job = subprocess.Popen(python_cmd("--train_file", str(small_data["train"]), "--validation_file", str(validation),
+                                      "--max_seq_length", "48", "--per_device_eval_batch_size", "1",
+                                      "--max_train_steps", "2", "--logging_steps", "1", "--output_dir", str(out)),
+                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    history = out / "log_history.jsonl"
+    while not (history.exists() and '"step": 2' in history.read_text()):  # the last step, then its evaluation
+        assert job.poll() is None, job.communicate()[0][-3000:]
+        time.sleep(0.002)
+    job.send_signal(signal.SIGTERM)
+    output = job.communicate(timeout=300)[0]
+    assert job.returncode == STOPPED_EXIT_CODE, output[-3000:]
+    assert stopped_step(output, signal.SIGTERM) == 2 and "epoch 0: eval_accuracy" not in output
+    assert find_latest_checkpoint(str(out)).name == "step_2"
+    assert not (out / "model.safetensors").exists(), "the final save did not start"
 
 
 def test_a_single_process_stopped_by_ctrl_c_exits_with_the_stopped_status(small_data, tmp_path):

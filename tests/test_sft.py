@@ -10,11 +10,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HUB_TOKEN, REPO, accelerate_cmd, read_results, run, snapshot, torchrun_cmd
+from conftest import (
+    HUB_TOKEN,
+    REPO,
+    accelerate_cmd,
+    assert_adapter_replies_as_generated,
+    read_results,
+    run,
+    snapshot,
+    tokenizing,
+    torchrun_cmd,
+)
+from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, LlamaConfig
 
-from finetune.chat import IGNORE, read_conversations, tokenize_conversations
+from finetune.batching import TokenizedDataset
+from finetune.chat import IGNORE, tokenize_conversations
 from finetune.default_chat import make_support_conversations, routed_team
 from finetune.errors import run_main
 from finetune.models import default_chat_model_path
@@ -30,17 +42,28 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(default_chat_model_path())
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, tokenizer) -> Path:
-    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template: fast to train."""
-    folder = tmp_path_factory.mktemp("tiny_chat_model")
+def make_tiny_model(folder: Path, tokenizer, initializer_range: float = 0.02) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         initializer_range=initializer_range)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tokenizer) -> Path:
+    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template: fast to train."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_chat_model"), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_with_distinct_replies(tmp_path_factory, tokenizer) -> Path:
+    """The same with weights drawn ten times wider: its greedy replies differ from one conversation to the next
+    (``tiny_model`` gives every conversation the same one), so a reply gathered to the wrong one would show."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_chat_model_wide"), tokenizer, initializer_range=0.05)
 
 
 def jsonl(path: Path, rows: list[dict]) -> str:
@@ -60,6 +83,12 @@ def chat_files(tmp_path_factory) -> list[str]:
             "--per_device_eval_batch_size", "3", "--logging_steps", "1", "--max_new_tokens", "8"]
 
 
+def tokenize_chats(rows, tokenizer, tmp_path: Path, max_length: int = 1024) -> TokenizedDataset:
+    """Conversations (a list of message lists, or a ``Dataset``) tokenized as the recipe does."""
+    split = rows if isinstance(rows, Dataset) else Dataset.from_dict({"messages": rows})
+    return TokenizedDataset(tokenize_conversations(split, tokenizer, max_length, "train", tokenizing(tmp_path)))
+
+
 def trained_text(tokenizer, row: dict) -> list[str]:
     """The labelled stretches of a tokenized row, decoded."""
     stretches, current = [], []
@@ -72,31 +101,58 @@ def trained_text(tokenizer, row: dict) -> list[str]:
     return [tokenizer.decode(s) for s in stretches + ([current] if current else [])]
 
 
-def test_every_assistant_turn_trains_and_nothing_else(tokenizer):
-    dataset = tokenize_conversations([TWO_TURNS], tokenizer, 1024, "train")
+def test_every_assistant_turn_trains_and_nothing_else(tokenizer, tmp_path):
+    dataset = tokenize_chats([TWO_TURNS], tokenizer, tmp_path)
+    ids, labels = dataset[0]["input_ids"], dataset[0]["labels"]
     assert trained_text(tokenizer, dataset[0]) == ["Team: billing\nDone.<|im_end|>\n", "You are welcome.<|im_end|>\n"]
-    assert dataset.loss_units == [sum(label != IGNORE for label in dataset[0]["labels"])]
-    assert dataset[0]["labels"] == [t if t != IGNORE else IGNORE for t in dataset[0]["labels"]]
-    labelled = [i for i, label in enumerate(dataset[0]["labels"]) if label != IGNORE]
-    assert all(dataset[0]["input_ids"][i] == dataset[0]["labels"][i] for i in labelled)
+    assert dataset.loss_units.tolist() == [sum(label != IGNORE for label in labels)]
+    assert len(labels) == len(ids) and all(label in (IGNORE, token) for token, label in zip(ids, labels, strict=True))
+    untrained = tokenizer.decode([token for token, label in zip(ids, labels, strict=True) if label == IGNORE])
+    assert all(text in untrained for text in ("Be brief.", "Refund order 42?", "Thanks!"))
+    assert "Team: billing" not in untrained and "welcome" not in untrained
 
 
-def test_prompt_and_completion_columns_train_like_messages(tokenizer):
-    from datasets import Dataset
+def labels_rendering_each_turn_twice(messages, tokenizer) -> tuple[list[int], list[int]]:
+    """Input ids and labels as the recipe first found them: the whole conversation rendered, and each assistant
+    turn's span between its prefix rendered with and without it, tokens inside a span trained."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for turn, message in enumerate(messages):
+        if message["role"] == "assistant":
+            before = tokenizer.apply_chat_template(messages[:turn], tokenize=False, add_generation_prompt=True)
+            spans.append((len(before), len(tokenizer.apply_chat_template(messages[:turn + 1], tokenize=False))))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [token if any(start <= begin < end for start, end in spans) else IGNORE
+              for token, (begin, _) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)]
+    return encoded["input_ids"], [IGNORE, *labels[1:]]
 
+
+def test_trained_tokens_are_where_rendering_every_turn_puts_them(tokenizer, tmp_path):
+    """Rendering is done once less per conversation (the last turn's rendering is the whole conversation's):
+    the trained positions stay exactly where they were."""
+    follow_up = [*TWO_TURNS, {"role": "user", "content": "One more: order 43? ünïcödé ✓ 日本"}]
+    emoji = [{"role": "user", "content": "Hi 👋"}, {"role": "assistant", "content": "Hello! 👋 How can I help?"}]
+    spaces = [{"role": "user", "content": "  \n\n "}, {"role": "assistant", "content": "\n  ok \t\n\n  "}]
+    conversations = [*make_support_conversations()["train"]["messages"], TWO_TURNS, follow_up, emoji, spaces]
+    dataset = tokenize_chats(conversations, tokenizer, tmp_path)
+    for row, messages in enumerate(conversations):
+        ids, labels = labels_rendering_each_turn_twice(messages, tokenizer)
+        assert (dataset[row]["input_ids"], dataset[row]["labels"]) == (ids, labels), row
+
+
+def test_prompt_and_completion_columns_train_like_messages(tokenizer, tmp_path):
     pairs = Dataset.from_dict({"prompt": ["Refund order 42?"], "completion": ["Team: billing\nDone."]})
     messages = Dataset.from_dict({"messages": [[{"role": "user", "content": "Refund order 42?"},
                                                 {"role": "assistant", "content": "Team: billing\nDone."}]]})
-    a = tokenize_conversations(read_conversations(pairs, "train"), tokenizer, 1024, "train")
-    b = tokenize_conversations(read_conversations(messages, "train"), tokenizer, 1024, "train")
+    a, b = tokenize_chats(pairs, tokenizer, tmp_path), tokenize_chats(messages, tokenizer, tmp_path)
     assert a[0] == b[0] and trained_text(tokenizer, a[0]) == ["Team: billing\nDone.<|im_end|>\n"]
 
 
-def test_a_packed_batch_gives_each_token_the_loss_it_has_alone(tokenizer):
+def test_a_packed_batch_gives_each_token_the_loss_it_has_alone(tokenizer, tmp_path):
     """Attention never crosses from one packed example into the next: per-token losses match (fp32)."""
     model = AutoModelForCausalLM.from_pretrained(default_chat_model_path()).eval()
     conversations = [TWO_TURNS, *make_support_conversations()["validation"]["messages"][:3]]
-    dataset = tokenize_conversations(conversations, tokenizer, 1024, "validation")
+    dataset = tokenize_chats(conversations, tokenizer, tmp_path)
     rows = [dataset[i] for i in range(len(dataset))]
 
     def token_losses(batch):
@@ -146,13 +202,15 @@ PARITY_FLAGS = ["--gradient_accumulation_steps", "2", "--num_train_epochs", "2",
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("batches", ["--packing", "--no_packing"])
-def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, chat_files, tmp_path, batches):
+def test_one_process_and_two_train_alike_under_both_launchers(tiny_model_with_distinct_replies, chat_files, tmp_path,
+                                                              batches):
     """The loss is the mean over the trained tokens of a whole window on all ranks: 1 x 4 equals 2 x 2."""
+    model = tiny_model_with_distinct_replies
     outs = {"one": tmp_path / "one", "accelerate": tmp_path / "accelerate", "torchrun": tmp_path / "torchrun"}
-    run_tiny(outs["one"], tiny_model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "4",
+    run_tiny(outs["one"], model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "4",
              launcher="accelerate", processes=1)
     for launcher in ("accelerate", "torchrun"):
-        run_tiny(outs[launcher], tiny_model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "2",
+        run_tiny(outs[launcher], model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "2",
                  launcher=launcher, processes=2)
     reference = history(outs["one"])
     assert [h["step"] for h in reference] == list(range(1, 7))  # 22 conversations, windows of 8, 2 epochs
@@ -165,39 +223,29 @@ def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, chat_f
                 b["grad_norm"], rel=1e-4)
         other = load_file(outs[launcher] / "adapter_model.safetensors")
         assert other.keys() == adapter.keys()
-        assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-5
+        # AdamW moves a weight by about the learning rate (1e-2) a step, less where its gradient is near zero, and
+        # there summing in another order can flip the update: a hundredth of one step (the losses and gradient
+        # norms above are the exact comparison).
+        assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-4
         results, expected = read_results(outs[launcher]), read_results(outs["one"])
         assert (results["world_size"], expected["world_size"]) == (2, 1)
         assert results["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
         assert (results["padding_efficiency"] == 1.0) == (batches == "--packing")
+        # Replies are generated in shards on every process and gathered: each must stay with its conversation.
         generations = read_jsonl(outs[launcher] / "eval_generations.jsonl")
         alone = read_jsonl(outs["one"] / "eval_generations.jsonl")
-        assert len(generations) == 11 and [g["messages"] for g in generations] == [g["messages"] for g in alone]
-        assert [g["reference"] for g in generations] == [g["reference"] for g in alone]
+        assert len(generations) == 11 and generations == alone
+        assert len({g["generation"] for g in alone}) > 1, "the replies differ, so a mix-up would show"
     # Checkpoints hold the adapter and its optimizer state only.
     checkpoint = load_file(outs["torchrun"] / "checkpoints" / "step_4" / "model.safetensors")
     assert checkpoint.keys() == {k.replace(".weight", ".default.weight") for k in adapter}
 
 
 def test_generations_are_the_saved_model_s_greedy_replies(tiny_model, chat_files, tmp_path):
-    from peft import PeftModel
-
     out = tmp_path / "out"
     run_tiny(out, tiny_model, chat_files, "--max_train_steps", "3", "--learning_rate", "1e-2", "--eval_generate", "4",
              "--merge_lora")
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model)
-    model = PeftModel.from_pretrained(base, out).eval()
-    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
-    generations = read_jsonl(out / "eval_generations.jsonl")
-    assert len(generations) == 4
-    for row in generations:
-        ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)
-        with torch.no_grad():
-            reply = model.generate(**ids, max_new_tokens=8, do_sample=False)[0, ids["input_ids"].shape[1]:]
-            torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, atol=1e-4, rtol=0)
-        assert tokenizer.decode(reply, skip_special_tokens=True) == row["generation"]
+    assert assert_adapter_replies_as_generated(out, tiny_model, max_new_tokens=8, merged_atol=1e-4) == 4
 
 
 def test_evaluation_is_the_same_one_row_per_pass_as_with_the_default_batching(tiny_model, chat_files, tmp_path):
@@ -244,9 +292,8 @@ def test_the_default_data_reports_routing_accuracy_from_its_generations(tokenize
     out = tmp_path / "out"
     result = run([sys.executable, RECIPE, "--max_train_steps", "2", "--eval_generate", "6", "--max_seq_length", "64",
                   "--output_dir", str(out)])
-    full = tokenize_conversations(read_conversations(make_support_conversations()["train"], "train"), tokenizer,
-                                  1024, "train")
-    cut = sum(length >= 64 for length in full.lengths)
+    full = tokenize_chats(make_support_conversations()["train"], tokenizer, tmp_path)
+    cut = int((full.lengths >= 64).sum())
     assert 0 < cut < 160 and f"160 examples ({cut} cut to --max_seq_length 64)" in result.stdout
     assert "padded batches" in result.stdout, "without flash-attention, padded batches are the default"
     results = read_results(out)

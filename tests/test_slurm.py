@@ -9,8 +9,19 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-from conftest import FAST_FLAGS, REPO, data_flags, max_weight_diff, parity_flags, read_results, snapshot
+from conftest import (
+    FAST_FLAGS,
+    HUB_TOKEN,
+    REPO,
+    data_flags,
+    limit_file_size,
+    max_weight_diff,
+    parity_flags,
+    read_results,
+    snapshot,
+)
 
 from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
 
@@ -34,16 +45,19 @@ def slurm(tmp_path_factory):
 
 
 class Job:
-    """A job submitted with ``sbatch launch/slurm.sbatch recipes/classify.py ...`` from the repository."""
+    """A job submitted with ``sbatch launch/slurm.sbatch [script options] recipes/classify.py ...`` from the
+    repository; ``preexec_fn`` runs in sbatch's process (its resource limits go to the job)."""
 
-    def __init__(self, slurm: dict, log_dir: Path, sbatch_options: list[str], recipe_flags: list[str]):
+    def __init__(self, slurm: dict, log_dir: Path, sbatch_options: list[str], recipe_flags: list[str],
+                 script_options: tuple[str, ...] = (), preexec_fn=None):
         self.env = {**os.environ, **slurm}
         self.id = self.command("sbatch", "--parsable", f"--output={log_dir}/%x-%j.out", *sbatch_options, SBATCH,
-                               "recipes/classify.py", *recipe_flags).strip()
+                               *script_options, "recipes/classify.py", *recipe_flags, preexec_fn=preexec_fn).strip()
         self.log = log_dir / f"finetune-{self.id}.out"
 
-    def command(self, *command: str) -> str:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO, env=self.env)
+    def command(self, *command: str, preexec_fn=None) -> str:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO, env=self.env,
+                              preexec_fn=preexec_fn)
         assert done.returncode == 0, f"{' '.join(command)}: {done.stderr}"
         return done.stdout
 
@@ -71,6 +85,21 @@ class Job:
 
     def attempt_lines(self) -> list[str]:
         return [line for line in self.output().splitlines() if line.startswith("[slurm.sbatch")]
+
+    def warn(self) -> None:
+        """Signal the batch script as ``--signal=B:USR1@N`` does before the time limit, without waiting for it."""
+        self.command("scancel", "--batch", "--signal=USR1", self.id)
+
+    def processes(self) -> list[psutil.Process]:
+        """This job's processes on the node."""
+        found = []
+        for process in psutil.process_iter():
+            try:
+                if process.environ().get("SLURM_JOB_ID") == self.id:
+                    found.append(process)
+            except psutil.Error:
+                continue
+        return found
 
     def start_requeued_now(self) -> None:
         """Slurm holds a requeued job about two minutes before it may start again; a test need not wait. A few
@@ -131,12 +160,14 @@ def test_a_requeued_job_resumes_by_itself_to_the_same_weights_keeping_its_checkp
 def test_the_warning_before_the_time_limit_leaves_a_checkpoint_the_requeued_job_resumes_from(
         slurm, small_data, no_dropout_model, tmp_path):
     """With a 2-minute limit and the warning 45 s before it, Slurm (which checks limits every 30 s) warns 45 to
-    75 s into the job: the script passes the warning on, the step is saved, and the script requeues the job."""
+    75 s into the job: the script passes the warning on, the step is saved, and the script requeues the job.
+    The second attempt, the last of --max_attempts 2, stops on a warning too and is not requeued."""
     out = tmp_path / "out"
     # Only the stop writes a checkpoint: one every few of a thousand steps would fill the disk.
     flags = [*data_flags(small_data), *FAST_FLAGS, "--model_name_or_path", str(no_dropout_model),
              "--per_device_train_batch_size", "4", "--max_train_steps", "1000", "--output_dir", str(out)]
-    job = Job(slurm, tmp_path, ["--cpus-per-task=2", "--time=2", "--signal=B:USR1@45"], flags)
+    job = Job(slurm, tmp_path, ["--cpus-per-task=2", "--time=2", "--signal=B:USR1@45"], flags,
+              script_options=("--max_attempts", "2"))
 
     job.start_requeued_now()
     stop = re.search(r"stopped by SIGUSR1 at step (\d+): (\S+) was complete on disk ([\d.]+) s", job.output())
@@ -147,8 +178,50 @@ def test_the_warning_before_the_time_limit_leaves_a_checkpoint_the_requeued_job_
     assert find_latest_checkpoint(str(out)) == checkpoint and not (out / "model.safetensors").exists()
 
     job.wait(lambda: f"resumed from {checkpoint} at step {stop.group(1)}" in job.output(), "resume")
-    job.command("scancel", job.id)  # SIGTERM: the second attempt saves its next step and stops
+    job.warn()
     info = job.wait_until_ended()
-    assert info["JobState"] == "CANCELLED", info
-    second = re.findall(r"stopped by SIGTERM at step (\d+)", job.output())
-    assert second and int(second[-1]) > int(stop.group(1)), "the second attempt trained on from the checkpoint"
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "143:0", "1"), info
+    assert job.attempt_lines()[-1].endswith("attempt 2: stopped before the time limit with a checkpoint; not "
+                                            "requeued: this was the last of --max_attempts 2; submit the same "
+                                            "command to go on")
+    second = re.findall(r"stopped by SIGUSR1 at step (\d+)", job.output())
+    assert len(second) == 2 and int(second[-1]) > int(stop.group(1)), "the second attempt trained on"
+    assert find_latest_checkpoint(str(out)).name == f"step_{second[-1]}"
+
+
+def test_a_warned_job_whose_checkpoint_fails_is_not_requeued_and_its_token_is_on_no_command_line(
+        slurm, small_data, tmp_path):
+    """The training exits 2 (a full disk), not with the stopped status 143: requeueing would fail the same way
+    every attempt. The --hub_token given to the script reaches the training as HF_TOKEN only."""
+    out = tmp_path / "out"
+    flags = [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "4", "--max_train_steps", "1000",
+             "--output_dir", str(out), "--hub_token", HUB_TOKEN]
+    job = Job(slurm, tmp_path, ["--cpus-per-task=1", "--propagate=FSIZE"], flags, preexec_fn=limit_file_size)
+    job.wait(lambda: "training classify on" in job.output(), "training")
+    processes = job.processes()
+    workers = [p for p in processes if "classify.py" in " ".join(p.cmdline()) and "RANK" in p.environ()]
+    assert len(workers) == 1 and workers[0].environ()["HF_TOKEN"] == HUB_TOKEN
+    assert len(processes) >= 4, processes  # the batch script, srun, torchrun and the training
+    assert not [p.cmdline() for p in processes if HUB_TOKEN in " ".join(p.cmdline())]
+    job.warn()
+    info = job.wait_until_ended()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "2:0", "0"), info
+    assert job.attempt_lines()[-1].endswith("attempt 1: stopped before the time limit, but the training ended with "
+                                            "exit status 2, not with a checkpoint; not requeued (the log above says "
+                                            "why)")
+    assert re.search(r"error: cannot write checkpoint \S+ \(File too large", job.output())
+    assert "--hub_token taken out of the recipe's flags" in job.attempt_lines()[0]
+    assert HUB_TOKEN not in job.output()
+
+
+def test_the_script_refuses_an_attempt_beyond_max_attempts_and_a_bad_count():
+    """Its own checks, before it asks Slurm for anything."""
+    env = {**os.environ, "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3"}
+    over = subprocess.run(["bash", SBATCH, "--max_attempts", "3", "recipes/classify.py"], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=60)
+    assert over.returncode == 1 and over.stdout.strip().endswith(
+        "job 7 attempt 4: not started: the job has had its --max_attempts 3 attempts; submit it again to go on")
+    bad = subprocess.run(["bash", SBATCH, "--max_attempts=0", "recipes/classify.py"], capture_output=True, text=True,
+                         env=env, cwd=REPO, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "error: --max_attempts is '0'; it must be a positive whole number")

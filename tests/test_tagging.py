@@ -2,13 +2,15 @@ import random
 
 import datasets
 import pytest
+from conftest import tokenizing
 from transformers import AutoTokenizer
 
+from finetune.batching import TokenizedDataset
 from finetune.default_tagged_tickets import ENTITY_TYPES, TAG_NAMES, make_tagged_tickets
 from finetune.errors import UserError
 from finetune.metrics import load_metric
 from finetune.models import default_model_path
-from finetune.tagging import IGNORE, align_labels, encode_tags, entity_scores, first_pieces, read_conll
+from finetune.tagging import IGNORE, align_labels, count_cut, encode_tags, entity_scores, first_pieces, read_conll
 
 
 def random_tags(rng, length):
@@ -92,24 +94,26 @@ def test_class_label_ids_take_their_names():
 
 
 @pytest.mark.parametrize("label_all_tokens", [False, True])
-def test_labels_go_to_the_first_piece_of_each_word_unless_all(label_all_tokens):
+def test_labels_go_to_the_first_piece_of_each_word_unless_all(label_all_tokens, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     words = ["Refund", "$49.99", "to", "lee_99@example.co.uk", "today"]
     names, train, _ = encode_tags(split([words, ["a", "b"]], [["O", "B-AMOUNT", "O", "B-EMAIL", "O"],
                                                               ["B-EMAIL", "I-EMAIL"]]),
                                   split([["x"]], [["O"]]), "tokens", "ner_tags")
-    dataset, word_ids, cut = align_labels(train, tokenizer, 128, label_all_tokens, names)
-    labels = dataset[0]["labels"]
-    assert cut == 0 and labels[0] == labels[-1] == IGNORE  # [CLS], [SEP]
+    dataset = align_labels(train, tokenizer, 128, label_all_tokens, names, "train", tokenizing(tmp_path),
+                           keep_words=True)
+    labels, word_ids = dataset[0]["labels"], [dataset[0]["word_ids"]]
+    assert count_cut(dataset) == 0 and labels[0] == labels[-1] == IGNORE  # [CLS], [SEP]
+    assert word_ids[0][0] == word_ids[0][-1] == -1
     pieces_of_email = [i for i, w in enumerate(word_ids[0]) if w == 3]
     assert len(pieces_of_email) > 1
     assert labels[pieces_of_email[0]] == names.index("B-EMAIL")
     later = {labels[i] for i in pieces_of_email[1:]}
     assert later == ({names.index("I-EMAIL")} if label_all_tokens else {IGNORE})
-    assert dataset.loss_units[0] == sum(label != IGNORE for label in labels)
+    assert TokenizedDataset(dataset).loss_units[0] == sum(label != IGNORE for label in labels)
     assert [word_ids[0][p] for p in first_pieces(word_ids[0])] == [0, 1, 2, 3, 4]
-    _, _, cut = align_labels(train, tokenizer, 6, label_all_tokens, names)
-    assert cut == 1
+    cut = align_labels(train, tokenizer, 6, label_all_tokens, names, "train", tokenizing(tmp_path), keep_words=True)
+    assert count_cut(cut) == 1
 
 
 def test_the_default_data_is_deterministic_and_covers_every_entity_type():

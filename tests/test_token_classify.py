@@ -23,6 +23,7 @@ from transformers import AutoModelForTokenClassification, AutoTokenizer, pipelin
 from finetune.default_tagged_tickets import TAG_NAMES, make_tagged_tickets
 from finetune.errors import run_main
 from finetune.models import default_model_path
+from finetune.prepared_data import load_or_build
 from finetune.tagging import IGNORE, entities, entity_scores
 
 RECIPE = str(REPO / "recipes" / "token_classify.py")
@@ -247,12 +248,14 @@ def test_the_recipe_trains_first_pieces_only_unless_label_all_tokens(tagged_data
     recipe = recipe_module()
     flags = [*tagged_data, "--output_dir", str(tmp_path / "out")] + ["--label_all_tokens"] * label_all_tokens
     cfg, args = recipe.parse_config(recipe.TokenClassifyArguments, flags)
-    setup = recipe.TokenClassifyTask(args).setup(cfg)
+    task = recipe.TokenClassifyTask(args)
+    tokenizer = task.load_tokenizer(cfg)
+    train_set = load_or_build(task, cfg, tokenizer).train
     words = [json.loads(line)["tokens"] for line in Path(tagged_data[1]).read_text().splitlines()]
-    encoded = setup.tokenizer(words, is_split_into_words=True, truncation=True, max_length=cfg.max_seq_length)
+    encoded = tokenizer(words, is_split_into_words=True, truncation=True, max_length=cfg.max_seq_length)
     later_pieces = trained_later_pieces = 0
     for row in range(len(words)):
-        word_ids, labels = encoded.word_ids(row), setup.train_set[row]["labels"]
+        word_ids, labels = encoded.word_ids(row), train_set[row]["labels"]
         for position in range(1, len(word_ids)):
             if word_ids[position] is not None and word_ids[position] == word_ids[position - 1]:
                 later_pieces += 1

@@ -24,7 +24,7 @@ class NoOptions:
 out = Path(sys.argv[1])
 cfg, _ = parse_config(NoOptions, sys.argv[2:])
 lengths = [(i * 5) % 11 + 1 for i in range(23)]  # 23 examples: a prime, so the last batches are uneven
-dataset = TokenizedDataset({"input_ids": [[i] * n for i, n in enumerate(lengths)]})
+dataset = TokenizedDataset.from_dict({"input_ids": [[i] * n for i, n in enumerate(lengths)]})
 
 
 def collate(rows):

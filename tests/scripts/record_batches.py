@@ -24,7 +24,7 @@ class NoOptions:
 out = Path(sys.argv[1])
 cfg, _ = parse_config(NoOptions, sys.argv[2:])
 lengths = [(i * 7) % 23 + 1 for i in range(45)]  # 45 examples: the last global batch is short
-dataset = TokenizedDataset({"input_ids": [[i] * n for i, n in enumerate(lengths)]})
+dataset = TokenizedDataset.from_dict({"input_ids": [[i] * n for i, n in enumerate(lengths)]})
 
 
 def collate(rows):

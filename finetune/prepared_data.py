@@ -1,0 +1,230 @@
+"""Tokenized data, made once and shared: every recipe's splits go through this cache.
+
+A task turns its raw splits into tokenized rows (``Task.tokenize``, through ``Tokenizing.map``). That
+happens once per *cache key*: the result stays on disk as Arrow files (token ids as int32), in a folder
+named by a hash of everything that changes a token: the raw splits' fingerprints (``datasets`` derives them
+from the files or the Hub revision), the tokenizer's files (its chat template included), the task and the
+options it names (``Task.data_options``), and the source of the code that tokenizes. A later run, a resume
+or a restart with the same key memory-maps the files and starts in seconds at any size; the pages are the
+OS's, shared by every process of a node, so a process's memory does not grow with the data.
+
+One process per node builds (local rank 0, under a file lock in the cache folder, so nodes that share the
+folder build it once); the others wait on a barrier with no practical time limit, then open it. A build is
+written into ``FOLDER.partial`` and renamed when complete, and a build that fails on a bad row leaves
+nothing: a later run never reads a half-made cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import filelock
+
+from finetune.batching import LENGTH, LOSS_UNITS
+from finetune.environment import LaunchEnvironment
+from finetune.errors import UserError
+
+__all__ = ["TOKEN_IDS", "PreparedData", "Tokenizing", "cache_folder", "load_or_build"]
+
+IGNORE = -100
+TOKEN_IDS = datasets.Sequence(datasets.Value("int32"))
+"""How token ids (and token labels) are stored: int32, a quarter of what Python and int64 take."""
+META_FILE = "prepared.json"
+
+
+@dataclass
+class PreparedData:
+    """A task's tokenized splits, memory-mapped from the cache, and what it recorded while tokenizing."""
+
+    train: datasets.Dataset
+    validation: datasets.Dataset
+    info: dict
+    """JSON values the task's ``setup`` needs (label names, tags, counts)."""
+    source: str
+    """Where the raw data came from, for the start-up line and the model card."""
+    folder: Path
+
+
+class Tokenizing:
+    """Runs a task's batched function over a split while the cache is built (``Task.tokenize`` gets one).
+
+    ``map(split, fn, name, features)`` calls ``fn(batch, rows)`` (columns of a batch of rows, and their row
+    numbers) in ``--preprocessing_num_workers`` processes and writes what it returns, typed by ``features``,
+    into the cache. A ``length`` (tokens) and ``loss_units`` column are added unless ``fn`` returns them: one
+    unit per row, or per label other than -100 when labels are lists. ``fn`` raises ``UserError`` for a bad
+    row; the error of the first bad row of the split is raised once every worker is done, whichever worker
+    reached its row first.
+    """
+
+    def __init__(self, folder: Path, workers: int | None):
+        self.folder = folder
+        self.workers = workers
+        self.files: dict[str, list[str]] = {}
+
+    def map(self, split: datasets.Dataset, fn: Callable[[dict, list[int]], dict], name: str,
+            features: dict[str, datasets.features.FeatureType]) -> datasets.Dataset:
+        """``split`` tokenized by ``fn``, as a dataset backed by the cache's files.
+
+        Raises:
+            UserError: ``fn`` refused a row; the first such row's message.
+        """
+        errors = self.folder / f"{name}-errors"
+        errors.mkdir()
+        typed = datasets.Features({LENGTH: datasets.Value("int32"), LOSS_UNITS: datasets.Value("int32"), **features})
+        mapped = split.map(_Guarded(fn, list(typed), errors), batched=True, with_indices=True,
+                           remove_columns=split.column_names, features=typed, load_from_cache_file=False,
+                           num_proc=self.workers if self.workers and self.workers > 1 else None,
+                           cache_file_name=str(self.folder / f"{name}.arrow"), new_fingerprint=f"finetune-{name}",
+                           desc=f"tokenizing {name}")
+        refused = sorted(errors.iterdir())
+        if refused:
+            raise UserError(refused[0].read_text())
+        errors.rmdir()
+        self.files[name] = [Path(f["filename"]).name for f in mapped.cache_files]
+        return mapped
+
+
+class _Guarded:
+    """A task's batch function as ``datasets.map`` runs it: extra columns filled in, a refused batch noted in
+    a file named by its first row (batches are contiguous, so the first file names the split's first bad row)
+    and left out of the output, which is thrown away anyway."""
+
+    def __init__(self, fn, columns: list[str], errors: Path):
+        self.fn, self.columns, self.errors = fn, columns, errors
+
+    def __call__(self, batch: dict, rows: list[int]) -> dict:
+        try:
+            out = self.fn(batch, rows)
+        except UserError as err:
+            (self.errors / f"{rows[0]:015d}").write_text(str(err))
+            return {name: [] for name in self.columns}
+        if LENGTH not in out:
+            out[LENGTH] = [len(ids) for ids in out["input_ids"]]
+        if LOSS_UNITS not in out:
+            labels = out.get("labels")
+            out[LOSS_UNITS] = ([sum(label != IGNORE for label in row) for row in labels]
+                               if labels and isinstance(labels[0], list) else [1] * len(out["input_ids"]))
+        return {name: out[name] for name in self.columns}
+
+
+def cache_root(cfg) -> Path:
+    """``--dataset_cache_dir``, else ``finetune/`` in the ``datasets`` cache (``HF_DATASETS_CACHE``)."""
+    return Path(cfg.dataset_cache_dir).expanduser() if cfg.dataset_cache_dir else (
+        Path(datasets.config.HF_DATASETS_CACHE) / "finetune")
+
+
+def cache_folder(task, cfg, tokenizer) -> tuple[Path, dict, datasets.DatasetDict, str]:
+    """``(folder, key parts, raw splits, source)``: where the task's tokenized data for ``cfg`` lives.
+
+    Raises:
+        UserError: the raw data cannot be had (see ``Task.load_data``).
+    """
+    raw, source = task.load_data(cfg)
+    parts = {
+        "task": task.name,
+        "data": {split: raw[split]._fingerprint for split in ("train", "validation")},
+        "tokenizer": _tokenizer_digest(tokenizer),
+        "options": task.data_options(cfg),
+        "code": _code_digest(task),
+    }
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root(cfg) / f"{task.name}-{digest}", parts, raw, source
+
+
+def load_or_build(task, cfg, tokenizer, runtime=None) -> PreparedData:
+    """The task's tokenized data for ``cfg``: built by one process per node if missing (or if
+    ``--overwrite_cache``), then opened, memory-mapped, by every process of ``runtime`` (None: this process alone,
+    in a script or a test).
+
+    Raises:
+        UserError: bad raw data (the task's messages), or a cache folder that cannot be written.
+    """
+    env = LaunchEnvironment.read()
+    started = time.perf_counter()
+    built = False
+    if env.local_rank == 0:
+        folder, parts, raw, source = cache_folder(task, cfg, tokenizer)
+        built = _build(task, cfg, tokenizer, folder, parts, raw, source)
+    if runtime is not None:  # the others wait for the builders however long they take (not --ddp_timeout)
+        runtime.wait_for_save()
+    if env.local_rank != 0:
+        folder = cache_folder(task, cfg, tokenizer)[0]
+    data = _open(folder)
+    how = (f"built in {time.perf_counter() - started:.1f} s with {cfg.preprocessing_num_workers or 1} worker(s)"
+           if built else "cached")
+    if runtime is None or runtime.is_main_process:
+        print(f"tokenized data: {folder} ({how}; {len(data.train)} training and {len(data.validation)} validation "
+              "rows)", flush=True)
+    return data
+
+
+def _build(task, cfg, tokenizer, folder: Path, parts: dict, raw: datasets.DatasetDict, source: str) -> bool:
+    """Tokenize into ``folder`` unless it is complete already; whether it was built."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(str(folder) + ".lock")
+        lock.acquire()
+    except OSError as err:
+        raise UserError(f"the data cache {folder.parent} cannot be written ({err.strerror}); choose another "
+                        "--dataset_cache_dir") from None
+    try:
+        if folder.is_dir() and not cfg.overwrite_cache:
+            return False
+        partial = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)  # a build that was killed
+        partial.mkdir()
+        try:
+            tokenizing = Tokenizing(partial, cfg.preprocessing_num_workers)
+            info = task.tokenize(raw, tokenizer, cfg, tokenizing)
+            meta = {"key": parts, "source": source, "info": info, "files": tokenizing.files}
+            (partial / META_FILE).write_text(json.dumps(meta, indent=2))
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        if folder.exists():  # --overwrite_cache
+            shutil.rmtree(folder)
+        partial.rename(folder)
+        return True
+    finally:
+        lock.release()
+
+
+def _open(folder: Path) -> PreparedData:
+    meta = json.loads((folder / META_FILE).read_text())
+    splits = {}
+    for name, files in meta["files"].items():
+        parts = [datasets.Dataset.from_file(str(folder / file)) for file in files]
+        splits[name] = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    return PreparedData(splits["train"], splits["validation"], meta["info"], meta["source"], folder)
+
+
+def _tokenizer_digest(tokenizer) -> str:
+    """A hash of the tokenizer's files as it would save them: vocabulary, merges, special tokens, chat template."""
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory() as saved:
+        tokenizer.save_pretrained(saved)
+        for path in sorted(Path(saved).iterdir()):
+            content = path.read_bytes()
+            if path.name == "tokenizer.json":  # it also holds the last call's truncation and padding: not the tokenizer
+                content = json.dumps({**json.loads(content), "truncation": None, "padding": None}).encode()
+            digest.update(path.name.encode() + b"\0" + content + b"\0")
+    return digest.hexdigest()
+
+
+def _code_digest(task) -> str:
+    """A hash of the code that makes the tokens: the recipe's module, the modules it names, and this one."""
+    recipe = type(task).tokenize.__code__.co_filename  # a recipe runs as __main__, or is loaded by path
+    files = [recipe, *(importlib.import_module(name).__file__ for name in task.tokenizing_code), __file__]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(Path(file).read_bytes())
+    return digest.hexdigest()

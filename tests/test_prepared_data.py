@@ -1,0 +1,271 @@
+"""The tokenized-data cache: keyed by everything that changes a token, built once by one process, memory-mapped,
+never half-made, and the same rows whatever the number of workers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+from conftest import (
+    RECIPE,
+    REPO,
+    accelerate_cmd,
+    data_flags,
+    load_recipe,
+    parity_flags,
+    python_cmd,
+    run,
+    torchrun_cmd,
+    write_csv,
+)
+
+from finetune.errors import UserError
+from finetune.prepared_data import cache_folder, load_or_build
+
+TOKEN_CLASSIFY = str(REPO / "recipes" / "token_classify.py")
+SFT = str(REPO / "recipes" / "sft.py")
+
+
+def recipe_task(path: str, task: str, arguments: str, flags: list[str]):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem + "_recipe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg, args = module.parse_config(getattr(module, arguments), flags)
+    made = getattr(module, task)(args)
+    return made, cfg, made.load_tokenizer(cfg)
+
+
+def classify(flags: list[str]):
+    recipe = load_recipe()
+    cfg, args = recipe.parse_config(recipe.ClassifyArguments, flags)
+    task = recipe.ClassifyTask(args)
+    return task, cfg, task.load_tokenizer(cfg)
+
+
+def folder_of(task_cfg_tokenizer) -> Path:
+    return cache_folder(*task_cfg_tokenizer)[0]
+
+
+def rows_of(path: Path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+# -- the key: a change of any part builds a new cache, the same parts find the same one
+
+def test_the_same_data_and_options_find_the_same_cache(small_data, tmp_path):
+    first = folder_of(classify(data_flags(small_data)))
+    assert first == folder_of(classify(data_flags(small_data)))
+    assert first.parent == Path(os.environ["HF_DATASETS_CACHE"]) / "finetune"
+    other_root = folder_of(classify([*data_flags(small_data), "--dataset_cache_dir", str(tmp_path / "cache")]))
+    assert other_root == tmp_path / "cache" / first.name
+
+
+def test_other_raw_data_builds_another_cache(small_data, tmp_path):
+    train = tmp_path / "train.csv"
+    train.write_bytes(small_data["train"].read_bytes())
+    flags = ["--train_file", str(train), "--validation_file", str(small_data["validation"])]
+    before = folder_of(classify(flags))
+    text = train.read_text().splitlines()
+    text[5] = "My parcel is late again,shipping"
+    train.write_text("\n".join(text) + "\n")
+    assert folder_of(classify(flags)) != before
+
+
+def test_another_tokenizer_builds_another_cache(small_data, no_dropout_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    assert folder_of(classify(data_flags(small_data))) == folder_of(
+        classify([*data_flags(small_data), "--model_name_or_path", str(no_dropout_model)])), "same tokenizer files"
+    tokenizer = AutoTokenizer.from_pretrained(no_dropout_model)
+    tokenizer.add_tokens(["refundable"])
+    changed = tmp_path / "model"
+    changed.mkdir()
+    for file in no_dropout_model.iterdir():
+        (changed / file.name).symlink_to(file)
+    for file in changed.glob("*token*"):
+        file.unlink()
+    (changed / "vocab.txt").unlink()
+    tokenizer.save_pretrained(changed)
+    assert folder_of(classify([*data_flags(small_data), "--model_name_or_path", str(changed)])) != folder_of(
+        classify([*data_flags(small_data), "--model_name_or_path", str(no_dropout_model)]))
+
+
+def test_another_chat_template_builds_another_cache(tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    plain = recipe_task(SFT, "SFTTask", "SFTArguments", [])
+    templated = recipe_task(SFT, "SFTTask", "SFTArguments", ["--chat_template", str(template)])
+    assert folder_of(plain) != folder_of(templated)
+
+
+@pytest.mark.parametrize("option", [["--max_seq_length", "64"], ["--text_column", "body"],
+                                    ["--label_column", "team"]])
+def test_an_option_that_changes_tokens_builds_another_cache(small_data, tmp_path, option):
+    flags = []
+    for split in ("train", "validation"):  # the same columns under other names too
+        rows = [{**row, "body": row["text"], "team": row["label"]} for row in rows_of(small_data[split])]
+        flags += [f"--{split}_file", str(write_csv(tmp_path / f"{split}.csv", rows))]
+    assert folder_of(classify([*flags, *option])) != folder_of(classify(flags))
+
+
+def test_label_all_tokens_builds_another_cache():
+    first = recipe_task(TOKEN_CLASSIFY, "TokenClassifyTask", "TokenClassifyArguments", [])
+    every = recipe_task(TOKEN_CLASSIFY, "TokenClassifyTask", "TokenClassifyArguments", ["--label_all_tokens"])
+    assert folder_of(first) != folder_of(every)
+
+
+def test_a_change_to_the_tokenizing_code_builds_another_cache(small_data, tmp_path, monkeypatch):
+    module = tmp_path / "ticket_words.py"
+    module.write_text("SEPARATOR = ' '\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    __import__("ticket_words")
+    task, cfg, tokenizer = classify(data_flags(small_data))
+    monkeypatch.setattr(task, "tokenizing_code", (*task.tokenizing_code, "ticket_words"))
+    before = folder_of((task, cfg, tokenizer))
+    module.write_text("SEPARATOR = '  '\n")
+    assert folder_of((task, cfg, tokenizer)) != before
+
+
+# -- building and opening
+
+def test_a_cache_is_built_once_then_opened_memory_mapped(small_data, tmp_path, monkeypatch):
+    task, cfg, tokenizer = classify([*data_flags(small_data), "--dataset_cache_dir", str(tmp_path / "cache")])
+    calls = []
+    original = task.tokenize
+    monkeypatch.setattr(task, "tokenize", lambda *args: calls.append(1) or original(*args))
+    built = load_or_build(task, cfg, tokenizer)
+    opened = load_or_build(task, cfg, tokenizer)
+    assert calls == [1], "the second run tokenized nothing"
+    assert built.folder == opened.folder and built.info == opened.info == {"label_names": ["account", "billing",
+                                                                                            "shipping", "technical"]}
+    assert opened.train.to_dict() == built.train.to_dict() and len(opened.train) == 42
+    assert opened.train.features["input_ids"].feature.dtype == "int32"
+    assert all(Path(f["filename"]).parent == opened.folder for f in opened.train.cache_files), "memory-mapped"
+    assert isinstance(opened.train.data, datasets.table.MemoryMappedTable)
+    assert sorted(p.name for p in opened.folder.parent.iterdir()) == [opened.folder.name, opened.folder.name + ".lock"]
+    rebuilt = load_or_build(task, type(cfg)(**{**vars(cfg), "overwrite_cache": True}), tokenizer)
+    assert calls == [1, 1] and rebuilt.train.to_dict() == built.train.to_dict()
+
+
+def test_workers_tokenize_the_same_rows(small_data, tmp_path):
+    one = load_or_build(*classify([*data_flags(small_data), "--dataset_cache_dir", str(tmp_path / "one")]))
+    two = load_or_build(*classify([*data_flags(small_data), "--dataset_cache_dir", str(tmp_path / "two"),
+                                   "--preprocessing_num_workers", "2"]))
+    assert len(two.train.cache_files) == 2, "each worker wrote its part"
+    assert two.train.to_dict() == one.train.to_dict() and two.validation.to_dict() == one.validation.to_dict()
+
+
+def test_bad_rows_name_the_first_one_whichever_worker_finds_its_row_first(small_data, tmp_path):
+    teams = ["account", "billing", "shipping", "technical"]
+    rows = [{"text": f"please look at ticket {i}", "label": teams[i % 4]} for i in range(1000)]
+    rows[300]["text"] = rows[800]["text"] = " "  # one in each worker's half
+    many = write_csv(tmp_path / "many.csv", rows)
+    cache = tmp_path / "cache"
+    flags = ["--train_file", str(many), "--validation_file", str(small_data["validation"]),
+             "--dataset_cache_dir", str(cache), "--preprocessing_num_workers", "2"]
+    with pytest.raises(UserError, match=r"^train data row 301: column 'text' is empty"):
+        load_or_build(*classify(flags))
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == [], "nothing cached"
+
+
+def test_a_build_killed_half_way_is_never_read(small_data, tmp_path):
+    cache = tmp_path / "cache"
+    flags = [*data_flags(small_data), "--dataset_cache_dir", str(cache)]
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+sys.path.insert(0, {str(REPO / 'tests')!r})
+from conftest import load_recipe
+from finetune.prepared_data import Tokenizing, load_or_build
+original = Tokenizing.map
+def map_then_hang(self, split, fn, name, features):
+    mapped = original(self, split, fn, name, features)
+    print("mapped", name, flush=True)
+    time.sleep(600)
+Tokenizing.map = map_then_hang
+recipe = load_recipe()
+cfg, args = recipe.parse_config(recipe.ClassifyArguments, {flags!r})
+task = recipe.ClassifyTask(args)
+load_or_build(task, cfg, task.load_tokenizer(cfg))
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "mapped train"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    partial = [p for p in cache.iterdir() if p.name.endswith(".partial")]
+    assert len(partial) == 1 and any(partial[0].glob("train*.arrow")), "the killed build left its partial files"
+    data = load_or_build(*classify(flags))
+    assert len(data.train) == 42 and not partial[0].exists()
+
+
+# -- runs
+
+def test_prepare_only_builds_the_cache_and_touches_no_output_folder(small_data, tmp_path):
+    cache = tmp_path / "cache"
+    flags = [*data_flags(small_data), "--dataset_cache_dir", str(cache), "--output_dir", str(tmp_path / "out")]
+    result = run(python_cmd(*flags, "--prepare_only"))
+    assert "built in" in result.stdout and not (tmp_path / "out").exists()
+    folder = next(p for p in cache.iterdir() if p.is_dir())
+    assert json.loads((folder / "prepared.json").read_text())["info"]["label_names"][0] == "account"
+    result = run(python_cmd(*flags, "--max_train_steps", "1", "--per_device_eval_batch_size", "64"))
+    assert f"tokenized data: {folder} (cached;" in result.stdout
+
+
+def watched(launch, out: Path, *flags) -> list[str]:
+    return launch(str(out), RECIPE, *flags, script="tests/scripts/watch_data.py")
+
+
+@pytest.mark.multiprocess
+def test_one_process_builds_while_the_others_wait_past_the_collective_timeout(small_data, no_dropout_model,
+                                                                              parity_runs, tmp_path):
+    """The build takes longer than --ddp_timeout; the other process waits, then reads the same cache. The run
+    also resumes mid-epoch: the batches before the checkpoint's position are never fetched."""
+    checkpoint = parity_runs("torchrun", 2, 4) / "checkpoints" / "step_4"
+    records = tmp_path / "records"
+    records.mkdir()
+    flags = [*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(tmp_path / "out"),
+             "--dataset_cache_dir", str(tmp_path / "cache"), "--ddp_timeout", "10",
+             "--resume_from_checkpoint", str(checkpoint)]
+    started = time.monotonic()
+    run(watched(torchrun_cmd, records, *flags), env={"WATCH_DATA_BUILD_SECONDS": "25"})
+    assert time.monotonic() - started > 25
+    ranks = [json.loads((records / f"rank_{rank}.json").read_text()) for rank in range(2)]
+    assert [r["builds"] for r in ranks] == [1, 0], "one build, by the main process"
+    assert_fetches_start_at_the_checkpoint(ranks, checkpoint)
+
+
+@pytest.mark.multiprocess
+def test_accelerate_resumes_mid_epoch_without_fetching_the_skipped_batches(small_data, no_dropout_model,
+                                                                          parity_runs, tmp_path):
+    checkpoint = parity_runs("accelerate", 2, 4) / "checkpoints" / "step_4"
+    records = tmp_path / "records"
+    records.mkdir()
+    run(watched(accelerate_cmd, records, *parity_flags(small_data, no_dropout_model, 4),
+                "--output_dir", str(tmp_path / "out"), "--resume_from_checkpoint", str(checkpoint)))
+    assert_fetches_start_at_the_checkpoint([json.loads((records / f"rank_{r}.json").read_text()) for r in range(2)],
+                                           checkpoint)
+
+
+def assert_fetches_start_at_the_checkpoint(ranks: list[dict], checkpoint: Path) -> None:
+    from finetune.batching import GlobalBatchSampler
+
+    progress = json.loads((checkpoint / "progress.json").read_text())
+    assert progress["batches_in_epoch"] > 0, "the checkpoint is mid-epoch"
+    for rank, record in enumerate(ranks):
+        sampler = GlobalBatchSampler(record["lengths"], 4, 2, seed=42, group_by_length=True, accumulation_steps=2)
+        expected = [list(b) for epoch in range(progress["epoch"], 3)
+                    for b in sampler.plan(epoch, rank)[progress["batches_in_epoch"] if epoch == progress["epoch"]
+                                                       else 0:]]
+        assert record["fetched"] == expected
