@@ -145,8 +145,10 @@ SFT_RATIOS = {  # the first two compare the CPU default (padded); the third pack
     "sft_vs_same_optimizer_loop": ("sft_padded", "loop_sft", 0.97),
 }
 SFT_FIGURES = {"sft_padding_efficiency": ("sft_padded", "padding_efficiency", 0.97)}
-LONG_CHAT_TOKENS, LONG_CHAT_TRAIN, LONG_CHAT_EVAL = 512, 16, 8
-"""The memory comparison: 2 training steps at batch 8 and one evaluation batch of 8, every row 512 tokens."""
+LONG_CHAT_TOKENS, LONG_CHAT_TRAIN, LONG_CHAT_EVAL = 512, 8, 8
+"""The memory comparison: one training step at batch 8, then one evaluation batch of 8, every row 512 tokens.
+One step: a second adds what the C allocator keeps of the first step's freed memory (0.5 to 3 GB more resident
+here, varying from run to run, on both sides), which hides the difference measured."""
 SFT_MEMORY = [
     Config("sft_memory", f"sft.py, accelerate launch, padded, batch 8 x {LONG_CHAT_TOKENS} tokens, evaluation "
            "batch 8", "accelerate", recipe="sft", long_chats=True,

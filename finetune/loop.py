@@ -48,6 +48,7 @@ from finetune.environment import LaunchEnvironment
 from finetune.errors import Stopped, UserError
 from finetune.hub import HubPusher, download_last_checkpoint, model_card
 from finetune.launcher import make_runtime
+from finetune.metering import TrainingMeter
 from finetune.models import optimizer_param_groups
 from finetune.preemption import StopSignals
 from finetune.prepared_data import load_or_build
@@ -180,12 +181,8 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         # closed however the loop ends, so that an error is printed on a line of its own
         progress_bar = closing.enter_context(
             tqdm(total=max_steps, initial=progress.global_step, disable=not runtime.is_main_process))
-        interval_loss = torch.zeros((), device=runtime.device)  # summed on the device: no host sync per step
-        interval_units = interval_examples = 0
-        total_loss, total_units, total_examples = 0.0, 0, 0
-        real_tokens = processed_tokens = 0  # for padding efficiency; counted from shapes, no device sync
+        meter = TrainingMeter(runtime.device, runtime.reduce_sum)
         grad_norm = None
-        start = last_log = time.perf_counter()
         metrics, eval_outputs, evaluated_at = {}, None, None
         for epoch in range(progress.epoch, num_epochs):
             progress.epoch = epoch
@@ -206,11 +203,8 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                         scheduler.step()
                         optimizer.zero_grad()
                 if planned.num_real:
-                    real_tokens += int(sampler.lengths[planned].sum())
-                    processed_tokens += batch["input_ids"].numel()
-                    interval_loss += loss.detach().float()
-                    interval_units += planned.units
-                    interval_examples += planned.num_real
+                    meter.add(loss, planned.units, planned.num_real, real_tokens=int(sampler.lengths[planned].sum()),
+                              processed_tokens=batch["input_ids"].numel())
                 progress.batches_in_epoch += 1
                 if not runtime.sync_gradients:
                     continue
@@ -222,18 +216,9 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                 # log, evaluate and checkpoint at their cadence
                 if progress.global_step % cfg.logging_steps == 0 or progress.global_step >= max_steps:
                     check_finite()
-                    counts = torch.tensor([interval_units, interval_examples], device=runtime.device)
-                    loss_sum, units, examples = runtime.reduce_sum(torch.cat([interval_loss[None], counts])).tolist()
-                    total_loss, total_units = total_loss + loss_sum, total_units + int(units)
-                    total_examples += int(examples)
-                    now = time.perf_counter()
-                    logs = {"loss": loss_sum / units, "learning_rate": scheduler.get_last_lr()[0],
-                            "samples_per_second": examples / (now - last_log), "epoch": epoch}
+                    logs = {**meter.interval(), "learning_rate": scheduler.get_last_lr()[0], "epoch": epoch}
                     if grad_norm is not None:
                         logs["grad_norm"] = float(grad_norm)
-                    interval_loss.zero_()
-                    interval_units = interval_examples = 0
-                    last_log = now
                     _log_interval(runtime, cfg.output_dir, logs, progress.global_step)
                     progress_bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
                                              samples_per_s=f"{logs['samples_per_second']:.1f}")
@@ -256,20 +241,14 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             if progress.global_step >= max_steps:
                 break
         progress_bar.close()
-        train_runtime = time.perf_counter() - start
+        training = meter.totals()
         if evaluated_at != progress.global_step:  # resumed from a checkpoint taken after the last step
             metrics, eval_outputs = _evaluate(runtime, task, model, eval_loader, stop_if_signalled)
 
         # -- save: every process reaches this point, the main process writes the unwrapped model
-        real_tokens, processed_tokens = runtime.reduce_sum(
-            torch.tensor([real_tokens, processed_tokens], device=runtime.device)).tolist()
         results = {
             **metrics,
-            "train_loss": total_loss / max(total_units, 1),
-            "train_runtime": train_runtime,
-            "train_samples_per_second": total_examples / train_runtime,
-            "train_tokens_per_second": real_tokens / train_runtime,
-            "padding_efficiency": real_tokens / max(processed_tokens, 1),
+            **training,
             "epoch": progress.global_step / steps_per_epoch,
             "global_step": progress.global_step,
             "runtime": runtime.name,
