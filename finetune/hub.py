@@ -25,6 +25,7 @@ from pathlib import Path
 from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError
 
+from finetune.checkpoint import MANIFEST_FILE
 from finetune.errors import UserError
 from finetune.hub_uploader import describe
 from finetune.preemption import STOP_GRACE
@@ -80,7 +81,7 @@ class HubPusher:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_TOKEN": self.token},
             start_new_session=True,
         )
-        self._said_uploader_stopped = False
+        self._said_uploader_stopped = self._said_sharded = False
         self._reader = threading.Thread(target=self._read_outcomes, name="hub-push-outcomes", daemon=True)
         self._reader.start()
         # Jobs reach the uploader through a thread: a pipe write blocks once the uploader stops reading (busy
@@ -104,16 +105,29 @@ class HubPusher:
             return
         # Hard links freeze the files as they are now (pruning may delete the folder before the upload), and only
         # those pushed are staged: a lagging upload holds no optimizer state it will not send.
+        checkpoint_files = _checkpoint_files(Path(folder))
+        # A sharded (FSDP) checkpoint holds each process's shards, not a model that loads: it goes to the Hub only
+        # whole, as the checkpoint to resume from, and the model only at the end.
+        whole_model = "model.safetensors" in checkpoint_files
+        if not whole_model and self.strategy == "every_save":
+            if not self._said_sharded:
+                print("note: sharded (FSDP) checkpoints hold no model that loads, so --hub_strategy every_save pushes "
+                      "the final model only; --hub_strategy checkpoint also pushes each checkpoint to "
+                      f"{LAST_CHECKPOINT}/ to resume from", file=sys.stderr, flush=True)
+                self._said_sharded = True
+            return
         stage = Path(folder).parent.parent / ".hub_staging" / f"step_{step}"
         shutil.rmtree(stage, ignore_errors=True)  # left by an earlier run that failed to push this step
-        checkpoint_files = [name for name in _files(Path(folder))
+        checkpoint_files = [name for name in checkpoint_files
                             if self.strategy == "checkpoint" or _matches(name, MODEL_FILES)]
         for name in checkpoint_files:
             (stage / name).parent.mkdir(parents=True, exist_ok=True)
             _link_or_copy(Path(folder) / name, stage / name)
-        model_config.save_pretrained(stage)
-        tokenizer.save_pretrained(stage)
-        files = [(name, str(stage / name)) for name in _files(stage) if _matches(name, MODEL_FILES)]
+        files = []
+        if whole_model:
+            model_config.save_pretrained(stage)
+            tokenizer.save_pretrained(stage)
+            files = [(name, str(stage / name)) for name in _files(stage) if _matches(name, MODEL_FILES)]
         if self.strategy == "checkpoint":  # the checkpoint as its manifest lists it, without the loading files
             files += [(f"{LAST_CHECKPOINT}/{name}", str(stage / name)) for name in checkpoint_files]
         self._submit(files, message, stage)
@@ -205,6 +219,16 @@ def _link_or_copy(source: Path, destination: Path) -> None:
 
 def _matches(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
+
+
+def _checkpoint_files(folder: Path) -> list[str]:
+    """``_files`` of a checkpoint folder, and the hidden files its manifest lists: a sharded checkpoint's
+    ``.metadata`` (torch.distributed.checkpoint's index of the shards), without which it does not load."""
+    manifest = folder / MANIFEST_FILE
+    listed = json.loads(manifest.read_text())["files"] if manifest.is_file() else {}
+    hidden = [name for name in listed if any(part.startswith(".") for part in name.split("/"))
+              and (folder / name).is_file() and not (folder / name).is_symlink()]
+    return sorted({*_files(folder), *hidden})
 
 
 def _files(folder: Path) -> list[str]:

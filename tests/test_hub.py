@@ -339,6 +339,47 @@ def test_the_uploader_leads_its_own_low_priority_session_and_a_dead_one_is_repor
         (True, f"Training in progress, step {step}") for step in (1, 2, 3)]
 
 
+def test_a_sharded_checkpoint_goes_whole_to_last_checkpoint_and_resumes_from_there(hub, tmp_path, capfd,
+                                                                                   monkeypatch):
+    """An FSDP checkpoint holds shards and torch.distributed.checkpoint's hidden .metadata, no model that loads:
+    every_save pushes nothing of it (saying so once), checkpoint pushes all of it, and what comes back verifies."""
+    from finetune.checkpoint import Progress, write_manifest
+    from finetune.hub import HubPusher
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    for name, value in hub.env.items():
+        monkeypatch.setenv(name, value)
+    for step in (2, 4):
+        folder = tmp_path / "out" / "checkpoints" / f"step_{step}"
+        for name in ("pytorch_model_fsdp_0/.metadata", "pytorch_model_fsdp_0/__0_0.distcp",
+                     "pytorch_model_fsdp_0/__1_0.distcp", "optimizer_0/.metadata", "optimizer_0/__0_0.distcp",
+                     "scheduler.bin", "random_states_0.pkl", "progress.json"):
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(f"{name} of step {step}".encode())
+        write_manifest(folder, Progress(global_step=step))
+    for strategy in ("every_save", "checkpoint"):
+        pusher = HubPusher(enabled=True, output_dir=str(tmp_path / "out"), repo_id=f"alice/sharded-{strategy}",
+                           token=TOKEN, private=False, revision=None, strategy=strategy, timeout=30)
+        for step in (2, 4):
+            pusher.push_checkpoint(tmp_path / "out" / "checkpoints" / f"step_{step}", step, Saves("config.json"),
+                                   Saves("tokenizer.json"))
+        assert not [push for push in pusher.finish() if "error" in push]
+    assert capfd.readouterr().err.count("note: sharded (FSDP) checkpoints hold no model that loads") == 1
+    assert not hub.files("alice/sharded-every_save")
+    pushed, folder = hub.files("alice/sharded-checkpoint"), tmp_path / "out" / "checkpoints" / "step_4"
+    assert sorted(pushed) == sorted(f"last-checkpoint/{p.relative_to(folder).as_posix()}"
+                                    for p in folder.rglob("*") if p.is_file())
+    # As a resume fetches it (--resume_from_checkpoint hub:...), in a process of its own.
+    fetch = ("import sys; from finetune.checkpoint import verify_checkpoint; from finetune.hub import "
+             "download_last_checkpoint as fetch; folder = fetch(sys.argv[1], None, sys.argv[2]); "
+             "verify_checkpoint(folder); print(folder)")
+    downloaded = Path(run([sys.executable, "-c", fetch, "hub:alice/sharded-checkpoint", TOKEN], env=hub.env)
+                      .stdout.strip())
+    assert (downloaded / "pytorch_model_fsdp_0" / ".metadata").read_bytes() == (
+        folder / "pytorch_model_fsdp_0" / ".metadata").read_bytes()
+
+
 def test_a_queued_checkpoint_push_is_skipped_for_a_newer_one(hub, tmp_path, monkeypatch):
     """While the first push stalls, three more are queued: the step-2 checkpoint's gives way to step 3's."""
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
