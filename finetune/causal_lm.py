@@ -23,7 +23,7 @@ from finetune.ddp import all_reduce_max, unwrap
 from finetune.errors import UserError
 from finetune.fsdp import is_sharded
 
-__all__ = ["CausalLMArguments", "check_output_layer", "greedy_replies", "label_log_probs",
+__all__ = ["CausalLMArguments", "ChatModelArguments", "check_output_layer", "greedy_replies", "label_log_probs",
            "language_model_collators", "split_by_tokens", "summed_log_probs"]
 
 LOGITS_PER_CHUNK = 2**24
@@ -44,6 +44,22 @@ class CausalLMArguments:
         if self.per_device_eval_max_tokens < 1:
             raise UserError(f"--per_device_eval_max_tokens is {self.per_device_eval_max_tokens}; it must be a "
                             "positive whole number")
+
+
+@dataclass
+class ChatModelArguments(CausalLMArguments):
+    """Options of the recipes that tune a chat model with LoRA (chat, preference tuning)."""
+
+    chat_template: str | None = arg(None, "A Jinja chat template file, for a model that has none.")
+    use_lora: bool = arg(True, "Train LoRA adapters only; --no_use_lora fine-tunes every weight.")
+    lora_r: int = arg(16, "LoRA rank.")
+    lora_alpha: int = arg(32, "LoRA scaling numerator (the update is scaled by alpha / r).")
+    lora_dropout: float = arg(0.05, "Dropout on the LoRA input.")
+    lora_target_modules: str = arg("all-linear", "Comma-separated module names to adapt, or all-linear.")
+    merge_lora: bool = arg(False, "Also save OUTPUT/merged: the base model with the adapter folded in.")
+    eval_generate: int | None = arg(None, "Greedy replies for the first N validation conversations at each "
+                                          "evaluation (default: all of the default data's, else none).")
+    max_new_tokens: int = arg(48, "Longest generated reply.")
 
 
 def language_model_collators(tokenizer, packing: bool | None) -> tuple:

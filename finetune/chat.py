@@ -21,8 +21,8 @@ from finetune.batching import LOSS_UNITS
 from finetune.errors import UserError
 from finetune.prepared_data import TOKEN_IDS, Tokenizing
 
-__all__ = ["IGNORE", "ROLES", "conversation_layout", "read_conversations", "require_chat_template",
-           "tokenize_conversations", "write_generations"]
+__all__ = ["IGNORE", "ROLES", "check_conversation", "conversation_layout", "read_conversations",
+           "render_reply_spans", "require_chat_template", "tokenize_conversations", "write_generations"]
 
 IGNORE = -100
 ROLES = ("system", "user", "assistant")
@@ -57,7 +57,7 @@ def read_conversations(batch: dict, rows: list[int], layout: tuple[str, ...], na
         conversations = [_as_messages(prompt, "user") + _as_messages(completion, "assistant")
                          for prompt, completion in zip(batch["prompt"], batch["completion"], strict=True)]
     for row, messages in zip(rows, conversations, strict=True):
-        _check_conversation(messages, f"{name} row {row + 1}")
+        check_conversation(messages, f"{name} row {row + 1}")
     return [[{"role": m["role"], "content": m["content"]} for m in messages] for messages in conversations]
 
 
@@ -65,7 +65,9 @@ def _as_messages(value, role: str) -> list[dict]:
     return [{"role": role, "content": value}] if isinstance(value, str) else list(value or [])
 
 
-def _check_conversation(messages, where: str) -> None:
+def check_conversation(messages, where: str) -> None:
+    """Raise ``UserError`` (prefixed by ``where``) for anything but a non-empty list of ``{role, content}``
+    messages with known roles, text contents and at least one assistant turn."""
     if not isinstance(messages, list) or not messages:
         raise UserError(f"{where}: the conversation is empty; give at least a user and an assistant message")
     for turn, message in enumerate(messages, start=1):
@@ -113,7 +115,7 @@ def tokenize_conversations(split: datasets.Dataset, tokenizer: PreTrainedTokeniz
 
     def encode(batch, rows):
         conversations = read_conversations(batch, rows, layout, name)
-        rendered = [_render(messages, tokenizer, f"{name} row {row + 1}")
+        rendered = [render_reply_spans(messages, tokenizer, f"{name} row {row + 1}")
                     for row, messages in zip(rows, conversations, strict=True)]
         encoded = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True,
                             return_attention_mask=False)
@@ -150,8 +152,11 @@ def tokenize_conversations(split: datasets.Dataset, tokenizer: PreTrainedTokeniz
     return tokenized
 
 
-def _render(messages: list[dict], tokenizer, where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation's text and the character span of every assistant turn in it."""
+def render_reply_spans(messages: list[dict], tokenizer, where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text and the character span of every assistant turn in it.
+
+    Raises ``UserError`` (prefixed by ``where``) for a template that renders earlier turns differently once
+    later ones follow."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []
     for turn, message in enumerate(messages):

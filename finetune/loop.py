@@ -181,7 +181,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         # closed however the loop ends, so that an error is printed on a line of its own
         progress_bar = closing.enter_context(
             tqdm(total=max_steps, initial=progress.global_step, disable=not runtime.is_main_process))
-        meter = TrainingMeter(runtime.device, runtime.reduce_sum)
+        meter = TrainingMeter(runtime.device, runtime.reduce_sum, getattr(task, "logged_figures", ()))
         grad_norm = None
         metrics, eval_outputs, evaluated_at = {}, None, None
         for epoch in range(progress.epoch, num_epochs):
@@ -193,6 +193,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                 # forward backward update; gradients are all-reduced only at the end of a window
                 with runtime.accumulate(model):
                     loss = task.loss(model, batch)
+                    loss, figures = (loss, None) if torch.is_tensor(loss) else (loss.pop("loss"), loss)
                     runtime.backward(loss * planned.loss_scale)
                     window_finite &= torch.isfinite(loss.detach())
                     if runtime.sync_gradients:
@@ -204,7 +205,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                         optimizer.zero_grad()
                 if planned.num_real:
                     meter.add(loss, planned.units, planned.num_real, real_tokens=int(sampler.lengths[planned].sum()),
-                              processed_tokens=batch["input_ids"].numel())
+                              processed_tokens=batch["input_ids"].numel(), figures=figures)
                 progress.batches_in_epoch += 1
                 if not runtime.sync_gradients:
                     continue

@@ -50,6 +50,9 @@ class Task(Protocol):
     """Names the trackers' project, the data cache and the recipe in the model card (``classify``, ``sft``, ...)."""
     card: ModelCardInfo
     tokenizing_code: tuple[str, ...]
+    logged_figures: tuple[str, ...]
+    """Optional: names of sums ``loss`` returns besides the loss; each logging interval logs each per loss unit,
+    over every process (DPO's rewards)."""
     """Modules (besides the recipe's own) whose code makes the tokens: a change to them rebuilds the data cache."""
 
     def load_tokenizer(self, cfg) -> Any:
@@ -75,7 +78,8 @@ class Task(Protocol):
         """The model and the batches' form, for the tokenized ``data`` (``finetune.prepared_data.PreparedData``)."""
 
     def loss(self, model, batch: dict) -> Any:
-        """The batch's loss summed over its loss units (a scalar tensor); the loop normalises it."""
+        """The batch's loss summed over its loss units (a scalar tensor); the loop normalises it. A task with
+        ``logged_figures`` returns ``{"loss": that, name: the figure summed over the batch's units, ...}``."""
 
     def eval_outputs(self, model, batch: dict) -> tuple:
         """Per-example tensors to gather across processes (batch dimension first; a second dimension may

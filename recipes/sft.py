@@ -21,7 +21,7 @@ import transformers
 
 from finetune.batching import TokenizedDataset
 from finetune.causal_lm import (
-    CausalLMArguments,
+    ChatModelArguments,
     check_output_layer,
     greedy_replies,
     label_log_probs,
@@ -45,21 +45,11 @@ DEFAULTS = {"output_dir": "outputs/sft", "num_train_epochs": 2, "learning_rate":
 
 
 @dataclass
-class SFTArguments(CausalLMArguments):
+class SFTArguments(ChatModelArguments):
     packing: bool | None = arg(None, "Concatenate each micro-batch's examples into one row with no padding, "
                                      "attention kept within each example; --no_packing pads batches grouped by "
                                      "length. Default: packed where flash-attention's variable-length kernels run "
                                      "(a GPU with flash-attn), padded elsewhere, where that measured faster.")
-    chat_template: str | None = arg(None, "A Jinja chat template file, for a model that has none.")
-    use_lora: bool = arg(True, "Train LoRA adapters only; --no_use_lora fine-tunes every weight.")
-    lora_r: int = arg(16, "LoRA rank.")
-    lora_alpha: int = arg(32, "LoRA scaling numerator (the update is scaled by alpha / r).")
-    lora_dropout: float = arg(0.05, "Dropout on the LoRA input.")
-    lora_target_modules: str = arg("all-linear", "Comma-separated module names to adapt, or all-linear.")
-    merge_lora: bool = arg(False, "Also save OUTPUT/merged: the base model with the adapter folded in.")
-    eval_generate: int | None = arg(None, "Greedy replies for the first N validation conversations at each "
-                                          "evaluation (default: all of the default data's, else none).")
-    max_new_tokens: int = arg(48, "Longest generated reply.")
 
 
 class SFTTask:

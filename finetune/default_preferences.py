@@ -1,0 +1,48 @@
+"""The embedded default data of the preference recipe: pairs of replies to the chat recipe's support tickets.
+
+Each pair's prompt is a support conversation's system line and ticket (``finetune.default_chat``); the chosen
+reply is that conversation's reply, which names the team owning the ticket; the rejected reply names another
+team with the same sentence after it, or is a curt reply that names no team (half each, by a fixed seed).
+Validation pairs come from the chat data's validation tickets, so no validation prompt is seen in training.
+Few and short, for a default run of a few minutes on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import random
+
+from datasets import Dataset, DatasetDict
+
+from finetune.default_chat import make_support_conversations
+from finetune.default_dataset import LABEL_NAMES
+
+__all__ = ["make_preference_pairs"]
+
+NUM_TRAIN, NUM_EVAL = 80, 32
+_SEED = 20261201
+_CURT = ["We received your message.", "Thank you for writing.", "Please wait for an answer.",
+         "Noted, someone will reply."]
+
+
+def make_preference_pairs() -> DatasetDict:
+    """``train`` (80) and ``validation`` (32) rows: ``prompt`` and ``chosen``/``rejected`` as message lists, and
+    the ticket's ``team``."""
+    conversations = make_support_conversations()
+    rng = random.Random(_SEED)
+
+    def pairs(split, count):
+        rows = {"prompt": [], "chosen": [], "rejected": [], "team": []}
+        for messages, team in zip(conversations[split]["messages"][:count], conversations[split]["team"][:count],
+                                  strict=True):
+            reply = messages[-1]["content"]
+            if rng.random() < 0.5:
+                rejected = reply.replace(f"Team: {team}", f"Team: {rng.choice([t for t in LABEL_NAMES if t != team])}")
+            else:
+                rejected = rng.choice(_CURT)
+            rows["prompt"].append(messages[:-1])
+            rows["chosen"].append([{"role": "assistant", "content": reply}])
+            rows["rejected"].append([{"role": "assistant", "content": rejected}])
+            rows["team"].append(team)
+        return Dataset.from_dict(rows)
+
+    return DatasetDict(train=pairs("train", NUM_TRAIN), validation=pairs("validation", NUM_EVAL))

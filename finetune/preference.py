@@ -1,0 +1,325 @@
+"""Preference pairs for DPO: reading TRL's formats, tokenizing both replies after the same prompt tokens, batching
+a pair's two rows into one forward pass, the DPO losses, and the reference model.
+
+A pair is a prompt (messages), a chosen reply and a rejected one (each one assistant turn). Both replies are found by
+position, as ``finetune.chat`` finds a reply: the prompt rendered with the generation prompt, and the reply as the
+stretch the rendering with it adds. The prompt text is tokenized once and each reply's text after it, so both rows
+of a pair start with exactly the same prompt token ids, the ones a model reading the prompt with the generation
+prompt sees when it replies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from finetune.batching import LENGTH, LOSS_UNITS
+from finetune.causal_lm import label_log_probs, summed_log_probs
+from finetune.chat import IGNORE, check_conversation, render_reply_spans
+from finetune.ddp import all_gather_padded, all_reduce_max, unwrap
+from finetune.errors import UserError
+from finetune.prepared_data import TOKEN_IDS, Tokenizing
+
+__all__ = ["LOSS_TYPES", "PairCollator", "Reference", "dpo_loss", "load_causal_lm", "pair_figures", "pair_log_probs",
+           "precomputed_reference", "preference_layout", "read_pairs", "tokenize_pairs"]
+
+LOSS_TYPES = ("sigmoid", "ipo", "robust")
+
+
+def preference_layout(split: datasets.Dataset, name: str) -> tuple[str, ...]:
+    """``("prompt", "chosen", "rejected")``, or ``("chosen", "rejected")`` for whole conversations that share
+    their leading turns.
+
+    Raises:
+        UserError: no ``chosen`` and ``rejected`` columns.
+    """
+    columns = split.column_names
+    if "chosen" in columns and "rejected" in columns:
+        return ("prompt", "chosen", "rejected") if "prompt" in columns else ("chosen", "rejected")
+    raise UserError(f"{name} data has no 'chosen' and 'rejected' columns (columns: {', '.join(columns)}); give "
+                    "preference pairs as prompt, chosen and rejected columns (text, or lists of {role, content} "
+                    "messages), or as chosen and rejected conversations that share their earlier turns")
+
+
+def read_pairs(batch: dict, rows: list[int], layout: tuple[str, ...], name: str
+               ) -> list[tuple[list[dict], dict, dict]]:
+    """A batch's rows as ``(prompt messages, chosen reply, rejected reply)``, each reply one assistant message.
+
+    Without a ``prompt`` column the prompt is every turn but the last, which must be the same in both.
+
+    Raises:
+        UserError: a reply that is empty or not one assistant turn, prompts that differ, an empty prompt, or a
+            message that is not a ``{role, content}`` object with a known role and text; the message names the row.
+    """
+    pairs = []
+    for i, row in enumerate(rows):
+        where = f"{name} row {row + 1}"
+        if "prompt" in layout:
+            prompt = _messages(batch["prompt"][i], "user", where, "prompt")
+            chosen, rejected = (_reply(_messages(batch[column][i], "assistant", where, column), where, column)
+                                for column in ("chosen", "rejected"))
+        else:
+            whole = {column: _messages(batch[column][i], "assistant", where, column)
+                     for column in ("chosen", "rejected")}
+            chosen, rejected = (_reply(whole[column][-1:], where, column) for column in ("chosen", "rejected"))
+            prompt, other = whole["chosen"][:-1], whole["rejected"][:-1]
+            if other != prompt:
+                turn = next((t for t, (a, b) in enumerate(zip(prompt, other, strict=False)) if a != b),
+                            min(len(prompt), len(other)))
+                raise UserError(f"{where}: chosen and rejected differ at message {turn + 1}, before their last turn, "
+                                "so they share no prompt; give both the same earlier turns, or use a prompt column")
+        if not prompt:
+            raise UserError(f"{where}: the prompt is empty; give at least the user's message before the replies")
+        for reply in (chosen, rejected):
+            check_conversation([*prompt, reply], where)
+        pairs.append((prompt, chosen, rejected))
+    return pairs
+
+
+def _messages(value, role: str, where: str, column: str) -> list[dict]:
+    """A column's value as messages: text is one message of ``role``."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list):
+        raise UserError(f"{where}: {column} is {type(value).__name__}; give text or a list of {{role, content}} "
+                        "messages")
+    for turn, message in enumerate(value, start=1):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise UserError(f"{where}, {column} message {turn}: not a {{role, content}} object")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _reply(messages: list[dict], where: str, column: str) -> dict:
+    if len(messages) != 1 or messages[0]["role"] != "assistant":
+        roles = ", ".join(m["role"] for m in messages) or "nothing"
+        raise UserError(f"{where}: the {column} reply must be one assistant turn, not {roles}; give it as text or "
+                        "as one {role: assistant, content} message")
+    if not isinstance(messages[0]["content"], str) or not messages[0]["content"].strip():
+        raise UserError(f"{where}: the {column} reply is empty; give it some text or drop the row")
+    return messages[0]
+
+
+def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: str, tokenizing: Tokenizing,
+                   generation_prompts: bool = False) -> datasets.Dataset:
+    """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (the replies' tokens, after the prompt's) and ``index``
+    (the row); one loss unit per pair; ``length`` is the pair's longer row.
+
+    A pair longer than ``max_length`` keeps its whole prompt and the start of each reply: both replies are cut to
+    the ``max_length - prompt`` tokens left, so each keeps at least one. With ``generation_prompts`` each row
+    also keeps ``prompt_messages`` (JSON) and ``reference`` (the chosen reply), for ``write_generations``.
+
+    Raises:
+        UserError: a bad row (see ``read_pairs``), a template that does not render turn by turn, or a prompt that
+            leaves no room for a reply within ``max_length``.
+    """
+    layout = preference_layout(split, name)
+
+    def encode(batch, rows):
+        pairs = read_pairs(batch, rows, layout, name)
+        texts = []  # each pair's prompt, chosen reply and rejected reply
+        for row, (prompt, chosen, rejected) in zip(rows, pairs, strict=True):
+            (prompt_text, chosen_text), (_, rejected_text) = (
+                _prompt_and_reply(prompt, reply, tokenizer, f"{name} row {row + 1}") for reply in (chosen, rejected))
+            texts += [prompt_text, chosen_text, rejected_text]
+        ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        out = {"prompt_ids": ids[0::3], "chosen_ids": [], "rejected_ids": [], LENGTH: [], "index": rows}
+        for row, prompt_ids, chosen_ids, rejected_ids in zip(rows, ids[0::3], ids[1::3], ids[2::3], strict=True):
+            room = max_length - len(prompt_ids)
+            if room < 1:
+                raise UserError(f"{name} row {row + 1}: the prompt takes {len(prompt_ids)} tokens, which leaves no "
+                                f"room for a reply within --max_seq_length {max_length}; raise --max_seq_length or "
+                                "shorten the prompt")
+            out["chosen_ids"].append(chosen_ids[:room])
+            out["rejected_ids"].append(rejected_ids[:room])
+            out[LENGTH].append(len(prompt_ids) + min(room, max(len(chosen_ids), len(rejected_ids))))
+        out[LOSS_UNITS] = [1] * len(rows)
+        if generation_prompts:
+            out["prompt_messages"] = [json.dumps(prompt) for prompt, _, _ in pairs]
+            out["reference"] = [chosen["content"] for _, chosen, _ in pairs]
+        return out
+
+    features = {"prompt_ids": TOKEN_IDS, "chosen_ids": TOKEN_IDS, "rejected_ids": TOKEN_IDS,
+                "index": datasets.Value("int32")}
+    if generation_prompts:
+        features.update(prompt_messages=datasets.Value("string"), reference=datasets.Value("string"))
+    return tokenizing.map(split, encode, name, features)
+
+
+def _prompt_and_reply(prompt: list[dict], reply: dict, tokenizer, where: str) -> tuple[str, str]:
+    """The rendered prompt with the generation prompt, and the text the reply's turn adds after it (its
+    end-of-turn included)."""
+    text, spans = render_reply_spans([*prompt, reply], tokenizer, where)
+    start, end = spans[-1]
+    return text[:start], text[start:end]
+
+
+class PairCollator:
+    """Pairs to one batch for one forward pass: every pair's chosen row, then every pair's rejected row, each the
+    prompt and the reply, right-padded; labels on the reply tokens only. ``index`` (one per pair) comes along."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, pairs: list[dict]) -> dict:
+        rows = [(p["prompt_ids"], p[side]) for side in ("chosen_ids", "rejected_ids") for p in pairs]
+        width = max(len(prompt) + len(reply) for prompt, reply in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+        for row, (prompt, reply) in enumerate(rows):
+            length = len(prompt) + len(reply)
+            input_ids[row, :length] = torch.tensor(prompt + reply)
+            attention_mask[row, :length] = 1
+            labels[row, len(prompt):length] = torch.tensor(reply)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+                "index": torch.tensor([p["index"] for p in pairs], dtype=torch.long)}
+
+
+def pair_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_probs, counts)``, each ``[pairs, 2]`` (chosen, rejected): the replies' float32 log-probabilities
+    summed over their tokens (``finetune.causal_lm.label_log_probs``), and their token counts. ``batch`` is a
+    ``PairCollator`` batch without its ``index``; it loses its labels."""
+    log_probs, labels = label_log_probs(model, batch)
+    return _by_pair(log_probs.sum(1)), _by_pair((labels != IGNORE).sum(1))
+
+
+def _by_pair(rows: torch.Tensor) -> torch.Tensor:
+    """``[2 x pairs]`` rows (chosen rows, then rejected rows) as ``[pairs, 2]``."""
+    return rows.view(2, -1).T
+
+
+def dpo_loss(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor, loss_type: str, beta: float,
+             label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(losses [pairs], rewards [pairs, 2])`` from summed log-probabilities ``[pairs, 2]`` (chosen, rejected)
+    of the policy and the reference and the replies' token counts. A reward is ``beta x (policy - reference)``.
+
+    ``sigmoid``: DPO's ``-log sigmoid(beta x margin)``; ``robust``: the same, unbiased for a share
+    ``label_smoothing`` of flipped labels (Chowdhury et al. 2024); ``ipo``: ``(margin - 1 / (2 beta))^2`` on the
+    log-probabilities' means over each reply's tokens, as the IPO paper defines it.
+    """
+    ratios = policy - reference
+    rewards = beta * ratios.detach()
+    if loss_type == "ipo":
+        means = ratios / counts
+        return (means[:, 0] - means[:, 1] - 1 / (2 * beta)) ** 2, rewards
+    logits = beta * (ratios[:, 0] - ratios[:, 1])
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(logits), rewards
+    if loss_type == "robust":
+        return ((1 - label_smoothing) * -F.logsigmoid(logits) + label_smoothing * F.logsigmoid(-logits)) / (
+            1 - 2 * label_smoothing), rewards
+    raise ValueError(f"unknown loss type {loss_type!r}")
+
+
+def pair_figures(policy: torch.Tensor, rewards: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a run reports of its pairs, each summed over them: the rewards (``dpo_loss``) of both replies, their
+    margin, how many pairs reward the chosen reply strictly higher, and the policy's summed log-probabilities."""
+    policy = policy.detach()
+    return {"rewards_chosen": rewards[:, 0].sum(), "rewards_rejected": rewards[:, 1].sum(),
+            "rewards_margin": (rewards[:, 0] - rewards[:, 1]).sum(),
+            "rewards_accuracy": (rewards[:, 0] > rewards[:, 1]).sum().float(),
+            "logps_chosen": policy[:, 0].sum(), "logps_rejected": policy[:, 1].sum()}
+
+
+class Reference:
+    """The reference model: with LoRA, the policy itself with its adapters switched off; without, a frozen copy
+    of the policy as it was given. Either runs in eval mode (no dropout), under ``no_grad``."""
+
+    def __init__(self, model):
+        self.frozen = None if hasattr(model, "disable_adapter") else copy.deepcopy(model).eval().requires_grad_(False)
+
+    def pair_log_probs(self, policy, batch: dict, max_tokens: int | None = None) -> torch.Tensor:
+        """``[pairs, 2]`` summed reply log-probabilities of ``batch`` (as ``pair_log_probs``; in passes of at most
+        ``max_tokens`` tokens when given); ``policy`` may be wrapped (DDP)."""
+        with torch.no_grad(), self._model(policy, batch["input_ids"].device) as model:
+            if max_tokens is None:
+                return pair_log_probs(model, dict(batch))[0]
+            return _by_pair(summed_log_probs(model, batch, max_tokens)[0])
+
+    @contextlib.contextmanager
+    def _model(self, policy, device: torch.device) -> Iterator[torch.nn.Module]:
+        if self.frozen is not None:
+            yield self.frozen.to(device)
+            return
+        # On the unwrapped model: a DDP wrapper would hide peft's switch (and need no gradient hooks here).
+        inner = unwrap(policy)
+        training = inner.training
+        inner.eval()
+        try:
+            with inner.disable_adapter():
+                yield inner
+        finally:
+            inner.train(training)
+
+
+def load_causal_lm(name_or_path: str, **kwargs):
+    """The causal LM at ``name_or_path`` (``finetune.models.from_pretrained``); a peft adapter folder (a chat
+    run's output) gives its base model with the adapter folded into the weights.
+
+    Raises:
+        UserError: the model, or an adapter's base model, cannot be loaded.
+    """
+    import transformers
+
+    from finetune.models import from_pretrained
+
+    folder = Path(os.path.expanduser(name_or_path))
+    if not (folder / "adapter_config.json").is_file():
+        return from_pretrained(transformers.AutoModelForCausalLM, name_or_path, **kwargs)
+    from peft import PeftConfig, PeftModel
+
+    base_path = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
+    try:
+        base = from_pretrained(transformers.AutoModelForCausalLM, base_path, **kwargs)
+    except UserError as err:
+        raise UserError(f"--model_name_or_path {name_or_path} is an adapter for {base_path}, which cannot be loaded "
+                        f"({err}); give the base model's folder as base_model_name_or_path in adapter_config.json"
+                        ) from None
+    return PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+
+
+def precomputed_reference(reference: Reference, policy, pairs, collate, batch_size: int, max_tokens: int, path: Path,
+                          key: str) -> torch.Tensor:
+    """``[len(pairs), 2]``: every pair's reference log-probabilities (``Reference.pair_log_probs``), on every process.
+
+    Read from ``path`` when it holds them for ``key`` on every process; else computed with each pair once over
+    all processes (process r takes pairs r, r + world size, ...), gathered, and written to ``path`` by the main
+    process, so that a resumed run reads them. Every process must call it at the same point.
+    """
+    device = next(unwrap(policy).parameters()).device
+    table = None
+    if path.is_file():
+        stored = load_file(str(path))
+        if stored.get("key") is not None and bytes(stored["key"].tolist()) == key.encode():
+            table = stored["log_probs"].to(device)
+    missing = all_reduce_max(torch.tensor(int(table is None), device=device))
+    if not missing:
+        return table
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    mine = list(range(rank, len(pairs), world))
+    parts = [torch.zeros((0, 2), device=device)]
+    for start in range(0, len(mine), batch_size):
+        batch = collate(pairs.__getitems__(mine[start:start + batch_size]))
+        batch.pop("index")
+        parts.append(reference.pair_log_probs(policy, {k: v.to(device) for k, v in batch.items()}, max_tokens))
+    local = torch.cat(parts)
+    # Rows are padded to the same count on every process for the gather; process r's k-th row is pair r + k x world.
+    share = -(-len(pairs) // world)
+    gathered = torch.stack(all_gather_padded(torch.cat([local, local.new_zeros((share - len(local), 2))])))
+    table = gathered.transpose(0, 1).reshape(-1, 2)[:len(pairs)]
+    if rank == 0:
+        partial = path.with_name(path.name + ".partial")
+        save_file({"log_probs": table.cpu().contiguous(), "key": torch.tensor(list(key.encode()), dtype=torch.uint8)},
+                  str(partial))
+        os.replace(partial, path)
+    return table

@@ -1,0 +1,199 @@
+"""Align a chat model on preference pairs (DPO with LoRA), on one process or many.
+
+With no flags it trains SmolLM2-135M-Instruct (the chat recipe's converted folder) on embedded pairs of replies to
+support tickets, offline: the chosen reply names the team that owns the ticket, the rejected one a wrong team or
+none. It saves the LoRA adapter with the tokenizer to outputs/dpo.
+
+    accelerate launch recipes/dpo.py                                                   # 1 process
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml recipes/dpo.py    # 2 CPU processes
+    torchrun --nproc_per_node=2 recipes/dpo.py --model_name_or_path outputs/sft        # after the chat recipe
+
+Data: jsonl, json or parquet with `prompt`, `chosen` and `rejected` columns (text, or lists of {role, content}
+messages), or only `chosen` and `rejected` conversations that share every turn but the last; or `--dataset_name`.
+`--model_name_or_path` may be a chat run's adapter folder: its base model with the adapter folded in is both the
+model trained and the reference. Flags follow TRL's DPO script; `--config FILE.yaml` sets any of them.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import transformers
+
+from finetune.batching import TokenizedDataset
+from finetune.causal_lm import ChatModelArguments, check_output_layer, greedy_replies, summed_log_probs
+from finetune.chat import IGNORE, require_chat_template, write_generations
+from finetune.checkpoint import save_model
+from finetune.config import arg, parse_config
+from finetune.data import load_splits
+from finetune.default_chat import routing_accuracy
+from finetune.default_preferences import make_preference_pairs
+from finetune.errors import UserError, run_main
+from finetune.lora import add_lora, save_adapter
+from finetune.models import default_chat_model_path, from_pretrained
+from finetune.preference import (
+    LOSS_TYPES,
+    PairCollator,
+    Reference,
+    dpo_loss,
+    load_causal_lm,
+    pair_figures,
+    pair_log_probs,
+    precomputed_reference,
+    tokenize_pairs,
+)
+from finetune.task import ModelCardInfo, TaskSetup
+
+DEFAULT_DATA = "support preference pairs (embedded default)"
+DEFAULTS = {"output_dir": "outputs/dpo", "num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 8,
+            "per_device_eval_batch_size": 16, "max_seq_length": 1024, "eval_generate": 0}
+"""The shared options' defaults for this recipe (LoRA trains well at a higher learning rate; replies are generated
+only when asked, to keep the default run short)."""
+COLUMNS = ["prompt_ids", "chosen_ids", "rejected_ids", "index"]
+REFERENCE_FILE = "ref_log_probs.safetensors"
+
+
+@dataclass
+class DPOArguments(ChatModelArguments):
+    loss_type: str = arg("sigmoid", "sigmoid (DPO), ipo (on the replies' mean log-probabilities) or robust "
+                                    "(DPO for labels flipped at a rate --label_smoothing).")
+    beta: float = arg(0.1, "How far the policy may move from the reference: DPO's beta, IPO's tau.")
+    label_smoothing: float = arg(0.0, "--loss_type robust: the share of pairs whose labels are taken to be flipped, "
+                                      "in [0, 0.5).")
+    precompute_ref_log_probs: bool = arg(False, "Compute the reference's log-probabilities of every training pair "
+                                                "once, before the first step (each pair once over all processes), and "
+                                                f"keep them in OUTPUT/{REFERENCE_FILE} for a resumed run.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss_type not in LOSS_TYPES:
+            raise UserError(f"--loss_type {self.loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
+        if self.beta <= 0:
+            raise UserError(f"--beta is {self.beta}; it must be positive")
+        if not 0 <= self.label_smoothing < 0.5 or (self.label_smoothing and self.loss_type != "robust"):
+            raise UserError(f"--label_smoothing is {self.label_smoothing}; give a share in [0, 0.5) with "
+                            "--loss_type robust, or leave it at 0")
+
+
+class DPOTask:
+    name = "dpo"
+    tokenizing_code = ("finetune.preference", "finetune.chat", "finetune.data", "finetune.default_preferences",
+                       "finetune.default_chat", "finetune.default_dataset")
+    logged_figures = ("rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
+                      "logps_rejected")
+
+    def __init__(self, args: DPOArguments):
+        self.args = args
+        self.card = ModelCardInfo(
+            pipeline_tag="text-generation", what="preference tuning (DPO)",
+            default_base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+            library_name="peft" if args.use_lora else "transformers",
+            usage=('from peft import AutoPeftModelForCausalLM\n'
+                   'model = AutoPeftModelForCausalLM.from_pretrained("{repo_id}")' if args.use_lora else
+                   'from transformers import pipeline\nchat = pipeline("text-generation", model="{repo_id}")'))
+
+    def load_tokenizer(self, cfg):
+        model_path = cfg.model_name_or_path or default_chat_model_path()
+        tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
+        require_chat_template(tokenizer, self.args.chat_template, model_path)
+        return tokenizer
+
+    def load_data(self, cfg):
+        return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
+                           cfg.trust_remote_code, make_preference_pairs, DEFAULT_DATA)
+
+    def data_options(self, cfg):
+        return {"max_seq_length": cfg.max_seq_length}
+
+    def tokenize(self, raw, tokenizer, cfg, tokenizing):
+        tokenize_pairs(raw["train"], tokenizer, cfg.max_seq_length, "train", tokenizing)
+        tokenize_pairs(raw["validation"], tokenizer, cfg.max_seq_length, "validation", tokenizing,
+                       generation_prompts=True)
+        embedded = not (cfg.train_file or cfg.dataset_name)  # its replies name a team: routing accuracy is scored
+        return {"teams": list(raw["validation"]["team"]) if embedded else None}
+
+    def setup(self, cfg, tokenizer, data):
+        args = self.args
+        self.tokenizer, self.teams, self.cfg, self.data_folder = tokenizer, data.info["teams"], cfg, data.folder
+        count = min(args.eval_generate if args.eval_generate is not None else 0, len(data.validation))
+        self.prompted = data.validation.select(range(count))
+        self.prompts = [row["prompt_ids"] for row in self.prompted]
+        model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
+                               trust_remote_code=cfg.trust_remote_code)
+        if args.use_lora:
+            model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+        check_output_layer(model)
+        self.reference, self.precomputed = Reference(model), None
+        self.collate = PairCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                    else tokenizer.eos_token_id)
+        self.train_set = TokenizedDataset(data.train, COLUMNS)
+        return TaskSetup(self.train_set, TokenizedDataset(data.validation, COLUMNS), self.collate, model,
+                         summary=f"{len(self.train_set)} pairs, --loss_type {args.loss_type} --beta {args.beta}, "
+                                 f"{'precomputed' if args.precompute_ref_log_probs else 'live'} reference"
+                                 + (f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else ""))
+
+    def loss(self, model, batch):
+        index = batch.pop("index")
+        if self.args.precompute_ref_log_probs:
+            if self.precomputed is None:  # the first step of every process, before the policy has moved
+                self.precomputed = precomputed_reference(
+                    self.reference, model, self.train_set, self.collate, self.cfg.per_device_eval_batch_size,
+                    self.args.per_device_eval_max_tokens, Path(self.cfg.output_dir) / REFERENCE_FILE,
+                    key=f"{self.cfg.model_name_or_path} {self.data_folder.name}")
+            reference = self.precomputed[index.to(self.precomputed.device)]
+        else:
+            reference = self.reference.pair_log_probs(model, batch)
+        policy, counts = pair_log_probs(model, batch)
+        losses, rewards = dpo_loss(policy, reference, counts, self.args.loss_type, self.args.beta,
+                                   self.args.label_smoothing)
+        return {"loss": losses.sum(), **pair_figures(policy, rewards)}
+
+    def eval_outputs(self, model, batch):
+        index = batch.pop("index")
+        budget = self.args.per_device_eval_max_tokens
+        policy, counts = (values.view(2, -1).T for values in summed_log_probs(model, batch, budget))
+        reference = self.reference.pair_log_probs(model, batch, budget)
+        replies = greedy_replies(model, index, self.prompts, self.tokenizer, self.args.max_new_tokens, budget)
+        return policy, reference, counts, replies
+
+    def metrics(self, outputs):
+        policy, reference, counts, replies = outputs
+        losses, rewards = dpo_loss(policy, reference, counts, self.args.loss_type, self.args.beta,
+                                   self.args.label_smoothing)
+        metrics = {"loss": losses.mean().item(),
+                   **{name: value.item() / len(losses) for name, value in pair_figures(policy, rewards).items()}}
+        self.generations = [self.tokenizer.decode([t for t in row if t != IGNORE], skip_special_tokens=True)
+                            for row in replies[:len(self.prompts)].tolist()]
+        if self.teams and self.generations:
+            metrics["routing_accuracy"] = routing_accuracy(self.generations, self.teams)
+        return metrics
+
+    def write_predictions(self, outputs, output_dir):
+        policy, reference, _, _ = outputs
+        with open(os.path.join(output_dir, "eval_predictions.jsonl"), "w") as f:
+            for index, (mine, theirs) in enumerate(zip(policy.tolist(), reference.tolist(), strict=True)):
+                margin = self.args.beta * ((mine[0] - theirs[0]) - (mine[1] - theirs[1]))
+                f.write(json.dumps({"index": index, "policy_logps_chosen": mine[0], "policy_logps_rejected": mine[1],
+                                    "reference_logps_chosen": theirs[0], "reference_logps_rejected": theirs[1],
+                                    "rewards_margin": margin}) + "\n")
+        if self.generations:
+            write_generations(os.path.join(output_dir, "eval_generations.jsonl"), self.prompted, self.generations)
+
+    def save(self, model, state_dict, tokenizer, output_dir):
+        if self.args.use_lora:
+            save_adapter(model, state_dict, tokenizer, output_dir, merge=self.args.merge_lora)
+        else:
+            save_model(model, state_dict, tokenizer, output_dir)
+
+
+def main(argv=None):
+    cfg, args = parse_config(DPOArguments, argv, description="Align a chat model on preference pairs (DPO).",
+                             defaults=DEFAULTS)
+    from finetune.loop import train  # the training libraries load once the flags are known to be good
+
+    train(DPOTask(args), cfg, args)
+
+
+if __name__ == "__main__":
+    run_main(main)
