@@ -129,7 +129,7 @@ class DPOTask:
                                     else tokenizer.eos_token_id)
         self.train_set = TokenizedDataset(data.train, COLUMNS)
         return TaskSetup(self.train_set, TokenizedDataset(data.validation, COLUMNS), self.collate, model,
-                         summary=f"{len(self.train_set)} pairs, --loss_type {args.loss_type} --beta {args.beta}, "
+                         summary=f"a pair per example, --loss_type {args.loss_type} --beta {args.beta}, "
                                  f"{'precomputed' if args.precompute_ref_log_probs else 'live'} reference"
                                  + (f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else ""))
 

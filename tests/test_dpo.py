@@ -1,0 +1,269 @@
+"""The preference recipe: the default run, reward metrics in the log and at evaluation, world-size and launcher
+parity, exact resume with a precomputed reference, the start from a chat run's adapter, bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import HUB_TOKEN, REPO, accelerate_cmd, read_results, run, snapshot, tokenizing, torchrun_cmd
+from datasets import Dataset
+from safetensors.torch import load_file
+from test_sft import make_tiny_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from finetune.batching import TokenizedDataset
+from finetune.default_preferences import make_preference_pairs
+from finetune.errors import run_main
+from finetune.models import default_chat_model_path
+from finetune.preference import PairCollator, load_causal_lm, pair_log_probs, tokenize_pairs
+
+RECIPE = str(REPO / "recipes" / "dpo.py")
+SFT_RECIPE = str(REPO / "recipes" / "sft.py")
+METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
+           "logps_rejected")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A random 2-layer Llama with SmolLM2's tokenizer and chat template."""
+    tokenizer = AutoTokenizer.from_pretrained(default_chat_model_path())
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_dpo_model"), tokenizer, initializer_range=0.05)
+
+
+def jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def pair_files(tmp_path_factory) -> list[str]:
+    """20 training pairs and 9 validation pairs of the default data, as flags."""
+    folder = tmp_path_factory.mktemp("pairs")
+    data = make_preference_pairs()
+
+    def rows(split, count):
+        return [{k: row[k] for k in ("prompt", "chosen", "rejected")} for row in data[split].select(range(count))]
+
+    return ["--train_file", jsonl(folder / "train.jsonl", rows("train", 20)),
+            "--validation_file", jsonl(folder / "validation.jsonl", rows("validation", 9)),
+            "--per_device_eval_batch_size", "4", "--logging_steps", "1", "--lora_dropout", "0"]
+
+
+def run_tiny(out: Path, model: Path, pair_files: list[str], *flags, launcher=None, processes=1, check=True):
+    common = [*pair_files, "--model_name_or_path", str(model), "--output_dir", str(out), *flags]
+    if launcher == "torchrun":
+        return run(torchrun_cmd(*common, nproc=processes, script=RECIPE))
+    if launcher == "accelerate":
+        return run(accelerate_cmd(*common, num_processes=processes, script=RECIPE))
+    return run([sys.executable, RECIPE, *common], check=check)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def history(out: Path) -> list[dict]:
+    return read_jsonl(out / "log_history.jsonl")
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> tuple[Path, str]:
+    """The recipe with no flags but the output folder, once per session: (output folder, stdout)."""
+    out = tmp_path_factory.mktemp("dpo_default") / "out"
+    result = run([sys.executable, RECIPE, "--output_dir", str(out)], timeout=600)
+    return out, result.stdout
+
+
+def test_the_default_run_rewards_the_right_team_on_tickets_it_never_saw(default_run):
+    out, stdout = default_run
+    results = read_results(out)
+    assert results["eval_rewards_accuracy"] >= 0.9 and results["eval_loss"] < math.log(2), results
+    assert f"saved the model to {out}" in stdout and "80 examples (0 cut" in stdout
+    assert results["global_step"] == 20 and results["world_size"] == 1  # 80 pairs, batches of 8, 2 epochs
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
+        p.name for p in out.iterdir()}
+    # eval_predictions.jsonl: every validation pair, in order, its margin the metrics' mean
+    predictions = read_jsonl(out / "eval_predictions.jsonl")
+    assert [p["index"] for p in predictions] == list(range(32))
+    margins = [p["rewards_margin"] for p in predictions]
+    assert results["eval_rewards_margin"] == pytest.approx(sum(margins) / 32, rel=1e-5)
+    assert results["eval_rewards_accuracy"] == sum(m > 0 for m in margins) / 32
+    assert results["eval_logps_chosen"] == pytest.approx(sum(p["policy_logps_chosen"] for p in predictions) / 32,
+                                                         rel=1e-5)
+    logged = history(out)
+    assert [h["step"] for h in logged] == [10, 20] and all(set(METRICS) <= h.keys() for h in logged)
+
+
+def test_default_validation_prompts_are_not_in_the_training_pairs():
+    data = make_preference_pairs()
+    seen = {json.dumps(prompt) for prompt in data["train"]["prompt"]}
+    assert len(data["validation"]) == 32 and not any(json.dumps(p) in seen for p in data["validation"]["prompt"])
+    kinds = [row[0]["content"].startswith("Team: ") for row in data["train"]["rejected"]]
+    assert 0 < sum(kinds) < len(kinds), "rejected replies name a wrong team or none"
+    for chosen, rejected, team in zip(data["train"]["chosen"], data["train"]["rejected"], data["train"]["team"],
+                                      strict=True):
+        assert chosen[0]["content"].startswith(f"Team: {team}\n") and f"Team: {team}" not in rejected[0]["content"]
+
+
+def test_the_first_step_logs_ln_2_and_zero_rewards_and_a_frozen_copy_is_the_reference_without_lora(
+        tiny_model, pair_files, tmp_path):
+    out = tmp_path / "out"
+    run_tiny(out, tiny_model, pair_files, "--max_train_steps", "2", "--no_use_lora", "--learning_rate", "1e-3",
+             "--per_device_train_batch_size", "4")
+    first, second = history(out)
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-7)
+    assert all(first[name] == 0.0 for name in ("rewards_chosen", "rewards_rejected", "rewards_margin",
+                                               "rewards_accuracy"))
+    assert second["loss"] != first["loss"] and second["rewards_margin"] != 0
+    assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
+
+
+PARITY_FLAGS = ["--gradient_accumulation_steps", "2", "--num_train_epochs", "2", "--learning_rate", "1e-2"]
+
+
+@pytest.mark.multiprocess
+def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, pair_files, tmp_path):
+    """A pair is the loss unit: the mean over the pairs of a whole window on all ranks, so 1 x 4 equals 2 x 2."""
+    outs = {"one": tmp_path / "one", "accelerate": tmp_path / "accelerate", "torchrun": tmp_path / "torchrun"}
+    run_tiny(outs["one"], tiny_model, pair_files, *PARITY_FLAGS, "--per_device_train_batch_size", "4",
+             launcher="accelerate", processes=1)
+    for launcher in ("accelerate", "torchrun"):
+        run_tiny(outs[launcher], tiny_model, pair_files, *PARITY_FLAGS, "--per_device_train_batch_size", "2",
+                 launcher=launcher, processes=2)
+    reference = history(outs["one"])
+    assert [h["step"] for h in reference] == list(range(1, 7))  # 20 pairs, windows of 8, 2 epochs
+    adapter = load_file(outs["one"] / "adapter_model.safetensors")
+    for launcher in ("accelerate", "torchrun"):
+        ours = history(outs[launcher])
+        assert [h["step"] for h in ours] == [h["step"] for h in reference]
+        for a, b in zip(ours, reference, strict=True):
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+            for name in METRICS:
+                assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), (launcher, name, a, b)
+        other = load_file(outs[launcher] / "adapter_model.safetensors")
+        assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-4
+        results, expected = read_results(outs[launcher]), read_results(outs["one"])
+        assert (results["world_size"], expected["world_size"]) == (2, 1)
+        for name in METRICS:
+            assert results[f"eval_{name}"] == pytest.approx(expected[f"eval_{name}"], rel=1e-5, abs=1e-6)
+        predictions = read_jsonl(outs[launcher] / "eval_predictions.jsonl")
+        alone = read_jsonl(outs["one"] / "eval_predictions.jsonl")
+        assert [p["index"] for p in predictions] == list(range(9))
+        for a, b in zip(predictions, alone, strict=True):
+            assert a["reference_logps_chosen"] == pytest.approx(b["reference_logps_chosen"], rel=1e-6)
+            assert a["policy_logps_rejected"] == pytest.approx(b["policy_logps_rejected"], rel=1e-5)
+
+
+def test_a_resumed_run_with_a_precomputed_reference_ends_where_an_uninterrupted_live_one_does(
+        tiny_model, pair_files, tmp_path):
+    flags = ["--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
+             "--checkpointing_steps", "4"]
+    run_tiny(tmp_path / "full", tiny_model, pair_files, *flags, "--precompute_ref_log_probs")
+    stored = tmp_path / "full" / "ref_log_probs.safetensors"
+    written = stored.stat().st_mtime_ns
+    run_tiny(tmp_path / "full", tiny_model, pair_files, *flags, "--precompute_ref_log_probs",
+             "--resume_from_checkpoint", str(tmp_path / "full" / "checkpoints" / "step_4"), "--output_dir",
+             str(tmp_path / "resumed"))
+    assert stored.stat().st_mtime_ns == written
+    assert not (tmp_path / "resumed" / "ref_log_probs.safetensors").exists()
+    full = load_file(tmp_path / "full" / "adapter_model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "adapter_model.safetensors")
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    timeless = [[{k: v for k, v in h.items() if k != "samples_per_second"} for h in history(tmp_path / name)]
+                for name in ("resumed", "full")]
+    assert timeless[0] == timeless[1][4:]
+    # The live reference trains the same way: each pair's reference within 1e-5 (relative to sums of about -150).
+    run_tiny(tmp_path / "live", tiny_model, pair_files, *flags)
+    assert len(load_file(stored)["log_probs"]) == 20
+    for a, b in zip(history(tmp_path / "live"), history(tmp_path / "full"), strict=True):
+        for name in METRICS:
+            assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-5), (name, a, b)
+
+
+def test_a_chat_run_s_adapter_is_the_start_and_the_reference(tiny_model, pair_files, tmp_path):
+    sft_out = tmp_path / "sft"
+    chats = tmp_path / "chats.jsonl"
+    conversations = [{"messages": [*row["prompt"], *row["chosen"]]} for row in make_preference_pairs()["train"]]
+    jsonl(chats, conversations[:16])
+    run([sys.executable, SFT_RECIPE, "--train_file", str(chats), "--validation_file", str(chats),
+         "--model_name_or_path", str(tiny_model), "--output_dir", str(sft_out), "--max_train_steps", "3",
+         "--learning_rate", "1e-2", "--eval_generate", "0"])
+    out = tmp_path / "dpo"
+    run_tiny(out, sft_out, pair_files, "--max_train_steps", "1")
+    validation = Dataset.from_json(pair_files[3])
+    tokenizer = AutoTokenizer.from_pretrained(sft_out)
+    pairs = TokenizedDataset(tokenize_pairs(validation, tokenizer, 1024, "validation", tokenizing(tmp_path)),
+                             ["prompt_ids", "chosen_ids", "rejected_ids", "index"])
+    batch = PairCollator(tokenizer.pad_token_id)(pairs.__getitems__(range(len(pairs))))
+    batch.pop("index")
+    with torch.no_grad():
+        merged = pair_log_probs(load_causal_lm(str(sft_out)).eval(), dict(batch))[0]
+        base = pair_log_probs(AutoModelForCausalLM.from_pretrained(tiny_model).eval(), dict(batch))[0]
+    predictions = read_jsonl(out / "eval_predictions.jsonl")
+    reference = torch.tensor([[p["reference_logps_chosen"], p["reference_logps_rejected"]] for p in predictions])
+    torch.testing.assert_close(reference, merged, rtol=1e-6, atol=1e-5)
+    assert (reference - base).abs().min() > 1e-3, "the adapter changed the reference"
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model)
+
+
+def test_the_hub_card_says_dpo(hub, tiny_model, pair_files, tmp_path):
+    run_tiny(tmp_path / "out", tiny_model, pair_files, "--max_train_steps", "1", "--push_to_hub", "--hub_model_id",
+             "alice/support-dpo", "--hub_token", HUB_TOKEN, "--hub_strategy", "end")
+    card = hub.files("alice/support-dpo")["README.md"].decode()
+    assert "for preference tuning (DPO)" in card and "recipes/dpo.py" in card and "eval_rewards_accuracy" in card
+
+
+def pair(prompt, chosen, rejected) -> dict:
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+GOOD = [pair("Refund order 42?", "Team: billing\nDone.", "No.")] * 2
+BAD = {
+    "no rejected column": ([{"prompt": "hi", "chosen": "a"}], None,
+                           "train data has no 'chosen' and 'rejected' columns"),
+    "an empty reply": ([*GOOD, pair("hi", "", "b")], None, "train row 3: the chosen reply is empty"),
+    "a reply that is not an assistant turn": (
+        None, [pair("hi", "a", [{"role": "user", "content": "b"}])],
+        "validation row 1: the rejected reply must be one assistant turn, not user"),
+    "prompts that differ": ([{"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                              "rejected": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}],
+                            None, "train row 1: chosen and rejected differ at message 1"),
+    "a prompt that leaves no room for a reply": (
+        None, [*GOOD, pair("word " * 80, "ok", "no")],
+        "validation row 3: the prompt takes 111 tokens, which leaves no room for a reply within --max_seq_length 64"),
+    "an unknown loss type": (None, None, "--loss_type 'hinge' is unknown; use one of sigmoid, ipo, robust",
+                             "--loss_type", "hinge"),
+    "label smoothing without the robust loss": (None, None, "--label_smoothing is 0.1; give a share in [0, 0.5) with "
+                                                "--loss_type robust", "--label_smoothing", "0.1"),
+}
+
+
+def dpo_module():
+    spec = importlib.util.spec_from_file_location("dpo_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_error_line_and_changes_nothing(tiny_model, tmp_path, capsys, case):
+    train, validation, expected, *extra_flags = BAD[case]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("kept")
+    flags = ["--train_file", jsonl(tmp_path / "train.jsonl", train or GOOD), "--validation_file",
+             jsonl(tmp_path / "validation.jsonl", validation or GOOD), "--output_dir", str(tmp_path / "out"),
+             "--model_name_or_path", str(tiny_model), "--max_seq_length", "64", *extra_flags]
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(dpo_module().main, flags)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in err and expected in errors[0], err
+    assert snapshot(tmp_path) == before
