@@ -17,13 +17,18 @@ import torch
 import transformers
 from torch.utils.checkpoint import checkpoint
 
-from finetune.chat import IGNORE
+from finetune.chat import IGNORE, require_chat_template
+from finetune.checkpoint import save_model
 from finetune.config import arg
 from finetune.ddp import all_reduce_max, unwrap
 from finetune.errors import UserError
 from finetune.fsdp import is_sharded
+from finetune.lora import save_adapter
+from finetune.models import default_chat_model_path, from_pretrained
+from finetune.task import ModelCardInfo
 
-__all__ = ["CausalLMArguments", "ChatModelArguments", "check_output_layer", "greedy_replies", "label_log_probs",
+__all__ = ["CausalLMArguments", "ChatModelArguments", "chat_model_card", "check_output_layer", "load_chat_tokenizer",
+           "save_chat_model", "greedy_replies", "label_log_probs",
            "language_model_collators", "split_by_tokens", "summed_log_probs"]
 
 LOGITS_PER_CHUNK = 2**24
@@ -60,6 +65,37 @@ class ChatModelArguments(CausalLMArguments):
     eval_generate: int | None = arg(None, "Greedy replies for the first N validation conversations at each "
                                           "evaluation (default: all of the default data's, else none).")
     max_new_tokens: int = arg(48, "Longest generated reply.")
+
+
+def chat_model_card(what: str, use_lora: bool) -> ModelCardInfo:
+    """The model card's part for a chat model fine-tuned for ``what`` from the default chat model: an adapter
+    loaded with peft, or a model for transformers' pipeline."""
+    return ModelCardInfo(
+        pipeline_tag="text-generation", what=what, default_base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        library_name="peft" if use_lora else "transformers",
+        usage=('from peft import AutoPeftModelForCausalLM\n'
+               'model = AutoPeftModelForCausalLM.from_pretrained("{repo_id}")' if use_lora else
+               'from transformers import pipeline\nchat = pipeline("text-generation", model="{repo_id}")'))
+
+
+def load_chat_tokenizer(cfg, chat_template: str | None):
+    """The tokenizer of ``--model_name_or_path`` (default: the default chat model) with a chat template.
+
+    Raises:
+        UserError: it cannot be loaded, or has no chat template and ``chat_template`` (a file) gives none.
+    """
+    model_path = cfg.model_name_or_path or default_chat_model_path()
+    tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
+    require_chat_template(tokenizer, chat_template, model_path)
+    return tokenizer
+
+
+def save_chat_model(model, state_dict: dict, tokenizer, output_dir: str, args: ChatModelArguments) -> None:
+    """The adapter (with ``--merge_lora`` the merged model too) or, without LoRA, the whole model."""
+    if args.use_lora:
+        save_adapter(model, state_dict, tokenizer, output_dir, merge=args.merge_lora)
+    else:
+        save_model(model, state_dict, tokenizer, output_dir)
 
 
 def language_model_collators(tokenizer, packing: bool | None) -> tuple:

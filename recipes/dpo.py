@@ -19,19 +19,24 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import transformers
-
 from finetune.batching import TokenizedDataset
-from finetune.causal_lm import ChatModelArguments, check_output_layer, greedy_replies, summed_log_probs
-from finetune.chat import IGNORE, require_chat_template, write_generations
-from finetune.checkpoint import save_model
+from finetune.causal_lm import (
+    ChatModelArguments,
+    chat_model_card,
+    check_output_layer,
+    greedy_replies,
+    load_chat_tokenizer,
+    save_chat_model,
+    summed_log_probs,
+)
+from finetune.chat import IGNORE, write_generations
 from finetune.config import arg, parse_config
 from finetune.data import load_splits
 from finetune.default_chat import routing_accuracy
 from finetune.default_preferences import make_preference_pairs
 from finetune.errors import UserError, run_main
-from finetune.lora import add_lora, save_adapter
-from finetune.models import default_chat_model_path, from_pretrained
+from finetune.lora import add_lora
+from finetune.models import default_chat_model_path
 from finetune.preference import (
     LOSS_TYPES,
     PairCollator,
@@ -43,7 +48,7 @@ from finetune.preference import (
     precomputed_reference,
     tokenize_pairs,
 )
-from finetune.task import ModelCardInfo, TaskSetup
+from finetune.task import TaskSetup
 
 DEFAULT_DATA = "support preference pairs (embedded default)"
 DEFAULTS = {"output_dir": "outputs/dpo", "num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 8,
@@ -85,19 +90,10 @@ class DPOTask:
 
     def __init__(self, args: DPOArguments):
         self.args = args
-        self.card = ModelCardInfo(
-            pipeline_tag="text-generation", what="preference tuning (DPO)",
-            default_base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
-            library_name="peft" if args.use_lora else "transformers",
-            usage=('from peft import AutoPeftModelForCausalLM\n'
-                   'model = AutoPeftModelForCausalLM.from_pretrained("{repo_id}")' if args.use_lora else
-                   'from transformers import pipeline\nchat = pipeline("text-generation", model="{repo_id}")'))
+        self.card = chat_model_card("preference tuning (DPO)", args.use_lora)
 
     def load_tokenizer(self, cfg):
-        model_path = cfg.model_name_or_path or default_chat_model_path()
-        tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
-        require_chat_template(tokenizer, self.args.chat_template, model_path)
-        return tokenizer
+        return load_chat_tokenizer(cfg, self.args.chat_template)
 
     def load_data(self, cfg):
         return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
@@ -181,10 +177,7 @@ class DPOTask:
             write_generations(os.path.join(output_dir, "eval_generations.jsonl"), self.prompted, self.generations)
 
     def save(self, model, state_dict, tokenizer, output_dir):
-        if self.args.use_lora:
-            save_adapter(model, state_dict, tokenizer, output_dir, merge=self.args.merge_lora)
-        else:
-            save_model(model, state_dict, tokenizer, output_dir)
+        save_chat_model(model, state_dict, tokenizer, output_dir, self.args)
 
 
 def main(argv=None):

@@ -22,21 +22,23 @@ import transformers
 from finetune.batching import TokenizedDataset
 from finetune.causal_lm import (
     ChatModelArguments,
+    chat_model_card,
     check_output_layer,
     greedy_replies,
     label_log_probs,
     language_model_collators,
+    load_chat_tokenizer,
+    save_chat_model,
     summed_log_probs,
 )
-from finetune.chat import IGNORE, require_chat_template, tokenize_conversations, write_generations
-from finetune.checkpoint import save_model
+from finetune.chat import IGNORE, tokenize_conversations, write_generations
 from finetune.config import arg, parse_config
 from finetune.data import load_splits
 from finetune.default_chat import make_support_conversations, routing_accuracy
 from finetune.errors import run_main
-from finetune.lora import add_lora, save_adapter
+from finetune.lora import add_lora
 from finetune.models import default_chat_model_path, from_pretrained
-from finetune.task import ModelCardInfo, TaskSetup
+from finetune.task import TaskSetup
 
 DEFAULT_DATA = "support conversations (embedded default)"
 DEFAULTS = {"output_dir": "outputs/sft", "num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 8,
@@ -58,19 +60,10 @@ class SFTTask:
 
     def __init__(self, args: SFTArguments):
         self.args = args
-        self.card = ModelCardInfo(
-            pipeline_tag="text-generation", what="chat (supervised fine-tuning)",
-            default_base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
-            library_name="peft" if args.use_lora else "transformers",
-            usage=('from peft import AutoPeftModelForCausalLM\n'
-                   'model = AutoPeftModelForCausalLM.from_pretrained("{repo_id}")' if args.use_lora else
-                   'from transformers import pipeline\nchat = pipeline("text-generation", model="{repo_id}")'))
+        self.card = chat_model_card("chat (supervised fine-tuning)", args.use_lora)
 
     def load_tokenizer(self, cfg):
-        model_path = cfg.model_name_or_path or default_chat_model_path()
-        tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
-        require_chat_template(tokenizer, self.args.chat_template, model_path)
-        return tokenizer
+        return load_chat_tokenizer(cfg, self.args.chat_template)
 
     def load_data(self, cfg):
         return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
@@ -131,10 +124,7 @@ class SFTTask:
             write_generations(os.path.join(output_dir, "eval_generations.jsonl"), self.prompted, self.generations)
 
     def save(self, model, state_dict, tokenizer, output_dir):
-        if self.args.use_lora:
-            save_adapter(model, state_dict, tokenizer, output_dir, merge=self.args.merge_lora)
-        else:
-            save_model(model, state_dict, tokenizer, output_dir)
+        save_chat_model(model, state_dict, tokenizer, output_dir, self.args)
 
 
 def main(argv=None):
