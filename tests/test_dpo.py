@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -165,19 +166,22 @@ def test_a_resumed_run_with_a_precomputed_reference_ends_where_an_uninterrupted_
     flags = ["--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
              "--checkpointing_steps", "4"]
     run_tiny(tmp_path / "full", tiny_model, pair_files, *flags, "--precompute_ref_log_probs")
-    stored = tmp_path / "full" / "ref_log_probs.safetensors"
+    # the run as it was when stopped after step 4's checkpoint, continued in its own folder
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_4", tmp_path / "resumed" / "checkpoints" / "step_4")
+    shutil.copy2(tmp_path / "full" / "ref_log_probs.safetensors", tmp_path / "resumed")
+    logged = (tmp_path / "full" / "log_history.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "resumed" / "log_history.jsonl").write_text("".join(logged[:4]))
+    stored = tmp_path / "resumed" / "ref_log_probs.safetensors"
     written = stored.stat().st_mtime_ns
-    run_tiny(tmp_path / "full", tiny_model, pair_files, *flags, "--precompute_ref_log_probs",
-             "--resume_from_checkpoint", str(tmp_path / "full" / "checkpoints" / "step_4"), "--output_dir",
-             str(tmp_path / "resumed"))
-    assert stored.stat().st_mtime_ns == written
-    assert not (tmp_path / "resumed" / "ref_log_probs.safetensors").exists()
+    run_tiny(tmp_path / "resumed", tiny_model, pair_files, *flags, "--precompute_ref_log_probs",
+             "--resume_from_checkpoint", str(tmp_path / "resumed" / "checkpoints" / "step_4"))
+    assert stored.stat().st_mtime_ns == written, "read, not computed again (computing writes it)"
     full = load_file(tmp_path / "full" / "adapter_model.safetensors")
     resumed = load_file(tmp_path / "resumed" / "adapter_model.safetensors")
     assert all(torch.equal(full[k], resumed[k]) for k in full)
     timeless = [[{k: v for k, v in h.items() if k != "samples_per_second"} for h in history(tmp_path / name)]
                 for name in ("resumed", "full")]
-    assert timeless[0] == timeless[1][4:]
+    assert timeless[0] == timeless[1] and len(timeless[1]) == 10
     # The live reference trains the same way: each pair's reference within 1e-5 (relative to sums of about -150).
     run_tiny(tmp_path / "live", tiny_model, pair_files, *flags)
     assert len(load_file(stored)["log_probs"]) == 20
