@@ -52,9 +52,8 @@ from finetune.task import TaskSetup
 
 DEFAULT_DATA = "support preference pairs (embedded default)"
 DEFAULTS = {"output_dir": "outputs/dpo", "num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 8,
-            "per_device_eval_batch_size": 16, "max_seq_length": 1024, "eval_generate": 0}
-"""The shared options' defaults for this recipe (LoRA trains well at a higher learning rate; replies are generated
-only when asked, to keep the default run short)."""
+            "per_device_eval_batch_size": 16, "max_seq_length": 1024}
+"""The shared options' defaults for this recipe (LoRA trains well at a higher learning rate)."""
 COLUMNS = ["prompt_ids", "chosen_ids", "rejected_ids", "index"]
 REFERENCE_FILE = "ref_log_probs.safetensors"
 
@@ -66,6 +65,8 @@ class DPOArguments(ChatModelArguments):
     beta: float = arg(0.1, "How far the policy may move from the reference: DPO's beta, IPO's tau.")
     label_smoothing: float = arg(0.0, "--loss_type robust: the share of pairs whose labels are taken to be flipped, "
                                       "in [0, 0.5).")
+    eval_generate: int = arg(0, "Greedy replies to the first N validation prompts at each evaluation (default none, "
+                                "which keeps the default run short).")
     precompute_ref_log_probs: bool = arg(False, "Compute the reference's log-probabilities of every training pair "
                                                 "once, before the first step (each pair once over all processes), and "
                                                 f"keep them in OUTPUT/{REFERENCE_FILE} for a resumed run.")
@@ -112,8 +113,7 @@ class DPOTask:
     def setup(self, cfg, tokenizer, data):
         args = self.args
         self.tokenizer, self.teams, self.cfg, self.data_folder = tokenizer, data.info["teams"], cfg, data.folder
-        count = min(args.eval_generate if args.eval_generate is not None else 0, len(data.validation))
-        self.prompted = data.validation.select(range(count))
+        self.prompted = data.validation.select(range(min(args.eval_generate, len(data.validation))))
         self.prompts = [row["prompt_ids"] for row in self.prompted]
         model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
                                trust_remote_code=cfg.trust_remote_code)

@@ -267,3 +267,33 @@ def test_an_adapter_folder_loads_as_its_base_with_the_adapter_folded_in(tokenize
         expected = adapted.eval()(input_ids=ids).logits
         assert (expected - AutoModelForCausalLM.from_pretrained(base_folder)(input_ids=ids).logits).abs().max() > 1e-3
         torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_a_ddp_wrapper_does_not_hide_the_adapters_from_the_reference(tokenizer, tmp_path):
+    """DDP has no ``disable_adapter``: the reference switches the adapters off on the model inside it."""
+    import torch.distributed as dist
+    from conftest import free_port
+    from torch.nn.parallel import DistributedDataParallel
+
+    data = pairs_dataset(tokenizer, tmp_path)
+    batch = PairCollator(tokenizer.pad_token_id)(data.__getitems__(range(len(data))))
+    batch.pop("index")
+    with torch.no_grad():
+        base = pair_log_probs(tiny_model(tokenizer).eval(), dict(batch))[0]
+    policy = add_lora(tiny_model(tokenizer), 8, 16, 0.1, "all-linear")
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        wrapped = DistributedDataParallel(policy.train())
+        assert not hasattr(wrapped, "disable_adapter")
+        reference = Reference(policy).pair_log_probs(wrapped, batch)
+        table = precomputed_reference(Reference(policy), wrapped, data, PairCollator(tokenizer.pad_token_id), 4, 10**6,
+                                      tmp_path / "ref.safetensors", key="k")
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(reference, base, rtol=0, atol=1e-5)
+    torch.testing.assert_close(table, base, rtol=2e-7, atol=1e-5)
+    assert (pair_log_probs(policy.eval(), dict(batch))[0] - base).abs().min() > 1e-3, "the adapters are on again"
