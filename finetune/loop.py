@@ -134,7 +134,8 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         if runtime.is_main_process:  # only now that the run has all it needs may it remove what it replaces
             clear_output_dir(cfg.output_dir, progress, cfg.overwrite_output_dir)
 
-        truncated = int((sampler.lengths >= cfg.max_seq_length).sum())
+        truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None
+                     else setup.truncated)
         runtime.print(
             f"training {task.name} on {data.source}: {len(setup.train_set)} examples ({truncated} cut "
             f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {max_steps} steps, {runtime.world_size} "

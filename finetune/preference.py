@@ -111,12 +111,13 @@ def _reply(messages: list[dict], where: str, column: str) -> dict:
 
 def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: str, tokenizing: Tokenizing,
                    generation_prompts: bool = False) -> datasets.Dataset:
-    """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (the replies' tokens, after the prompt's) and ``index``
-    (the row); one loss unit per pair; ``length`` is the pair's longer row.
+    """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (the replies' tokens, after the prompt's), ``index`` (the
+    row) and ``cut`` (whether a reply was cut); one loss unit per pair; ``length`` is the tokens of both rows.
 
-    A pair longer than ``max_length`` keeps its whole prompt and the start of each reply: both replies are cut to
-    the ``max_length - prompt`` tokens left, so each keeps at least one. With ``generation_prompts`` each row
-    also keeps ``prompt_messages`` (JSON) and ``reference`` (the chosen reply), for ``write_generations``.
+    A pair with a row longer than ``max_length`` keeps its whole prompt and the start of each reply: both replies
+    are cut to the ``max_length - prompt`` tokens left, so each keeps at least one. With ``generation_prompts``
+    each row also keeps ``prompt_messages`` (JSON) and ``reference`` (the chosen reply), for
+    ``write_generations``.
 
     Raises:
         UserError: a bad row (see ``read_pairs``), a template that does not render turn by turn, or a prompt that
@@ -132,7 +133,7 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
                 _prompt_and_reply(prompt, reply, tokenizer, f"{name} row {row + 1}") for reply in (chosen, rejected))
             texts += [prompt_text, chosen_text, rejected_text]
         ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        out = {"prompt_ids": ids[0::3], "chosen_ids": [], "rejected_ids": [], LENGTH: [], "index": rows}
+        out = {"prompt_ids": ids[0::3], "chosen_ids": [], "rejected_ids": [], LENGTH: [], "index": rows, "cut": []}
         for row, prompt_ids, chosen_ids, rejected_ids in zip(rows, ids[0::3], ids[1::3], ids[2::3], strict=True):
             room = max_length - len(prompt_ids)
             if room < 1:
@@ -141,7 +142,9 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
                                 "shorten the prompt")
             out["chosen_ids"].append(chosen_ids[:room])
             out["rejected_ids"].append(rejected_ids[:room])
-            out[LENGTH].append(len(prompt_ids) + min(room, max(len(chosen_ids), len(rejected_ids))))
+            out["cut"].append(max(len(chosen_ids), len(rejected_ids)) > room)
+            # Both rows: batches are grouped by, and padding efficiency counts, what a pair puts through the model.
+            out[LENGTH].append(2 * len(prompt_ids) + len(out["chosen_ids"][-1]) + len(out["rejected_ids"][-1]))
         out[LOSS_UNITS] = [1] * len(rows)
         if generation_prompts:
             out["prompt_messages"] = [json.dumps(prompt) for prompt, _, _ in pairs]
@@ -149,7 +152,7 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
         return out
 
     features = {"prompt_ids": TOKEN_IDS, "chosen_ids": TOKEN_IDS, "rejected_ids": TOKEN_IDS,
-                "index": datasets.Value("int32")}
+                "index": datasets.Value("int32"), "cut": datasets.Value("bool")}
     if generation_prompts:
         features.update(prompt_messages=datasets.Value("string"), reference=datasets.Value("string"))
     return tokenizing.map(split, encode, name, features)

@@ -29,6 +29,9 @@ class TaskSetup:
     """For the start-up line, e.g. ``"4 labels"``."""
     eval_collate: Callable[[list[dict]], dict] | None = None
     """Rows to an evaluation batch, when it differs from ``collate`` (packed training, padded evaluation)."""
+    truncated: int | None = None
+    """How many training examples were cut to ``--max_seq_length``, for the start-up line; default: those whose
+    length reaches it (a task whose lengths count more than one row says it)."""
 
 
 @dataclass

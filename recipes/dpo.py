@@ -104,11 +104,11 @@ class DPOTask:
         return {"max_seq_length": cfg.max_seq_length}
 
     def tokenize(self, raw, tokenizer, cfg, tokenizing):
-        tokenize_pairs(raw["train"], tokenizer, cfg.max_seq_length, "train", tokenizing)
+        train = tokenize_pairs(raw["train"], tokenizer, cfg.max_seq_length, "train", tokenizing)
         tokenize_pairs(raw["validation"], tokenizer, cfg.max_seq_length, "validation", tokenizing,
                        generation_prompts=True)
         embedded = not (cfg.train_file or cfg.dataset_name)  # its replies name a team: routing accuracy is scored
-        return {"teams": list(raw["validation"]["team"]) if embedded else None}
+        return {"teams": list(raw["validation"]["team"]) if embedded else None, "cut": sum(train["cut"])}
 
     def setup(self, cfg, tokenizer, data):
         args = self.args
@@ -125,6 +125,7 @@ class DPOTask:
                                     else tokenizer.eos_token_id)
         self.train_set = TokenizedDataset(data.train, COLUMNS)
         return TaskSetup(self.train_set, TokenizedDataset(data.validation, COLUMNS), self.collate, model,
+                         truncated=data.info["cut"],
                          summary=f"a pair per example, --loss_type {args.loss_type} --beta {args.beta}, "
                                  f"{'precomputed' if args.precompute_ref_log_probs else 'live'} reference"
                                  + (f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else ""))

@@ -114,9 +114,15 @@ def test_default_validation_prompts_are_not_in_the_training_pairs():
 
 def test_the_first_step_logs_ln_2_and_zero_rewards_and_a_frozen_copy_is_the_reference_without_lora(
         tiny_model, pair_files, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    full = tokenize_pairs(Dataset.from_json(pair_files[1]), tokenizer, 1024, "train", tokenizing(tmp_path))
+    limit = max(len(ids) for ids in full["prompt_ids"]) + 8
+    cut = sum(len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"])) > limit for row in full)
+    assert 0 < cut < 20
     out = tmp_path / "out"
-    run_tiny(out, tiny_model, pair_files, "--max_train_steps", "2", "--no_use_lora", "--learning_rate", "1e-3",
-             "--per_device_train_batch_size", "4")
+    result = run_tiny(out, tiny_model, pair_files, "--max_train_steps", "2", "--no_use_lora", "--learning_rate",
+                      "1e-3", "--per_device_train_batch_size", "4", "--max_seq_length", str(limit))
+    assert f"20 examples ({cut} cut to --max_seq_length {limit})" in result.stdout
     first, second = history(out)
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-7)
     assert all(first[name] == 0.0 for name in ("rewards_chosen", "rewards_rejected", "rewards_margin",

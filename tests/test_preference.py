@@ -113,7 +113,7 @@ def test_long_pairs_keep_the_prompt_and_the_start_of_both_replies(tokenizer, tmp
         assert cut[row]["prompt_ids"] == full[row]["prompt_ids"]
         for side in ("chosen_ids", "rejected_ids"):
             assert cut[row][side] == full[row][side][:3] and len(cut[row][side]) >= 1
-        assert cut[row]["length"] == prompt_length + 3
+        assert cut[row]["length"] == 2 * prompt_length + 6 and cut[row]["cut"] and not full[row]["cut"]
     one = tokenize(rows, tokenizer, tmp_path, max_length=prompt_length + 1)
     assert [len(one[0]["chosen_ids"]), len(one[0]["rejected_ids"])] == [1, 1]
     with pytest.raises(UserError, match=rf"train row 1: the prompt takes {prompt_length} tokens, which leaves no room "
