@@ -204,8 +204,16 @@ def test_a_chat_run_s_adapter_is_the_start_and_the_reference(tiny_model, pair_fi
     run([sys.executable, SFT_RECIPE, "--train_file", str(chats), "--validation_file", str(chats),
          "--model_name_or_path", str(tiny_model), "--output_dir", str(sft_out), "--max_train_steps", "3",
          "--learning_rate", "1e-2", "--eval_generate", "0"])
+    # The pairs as whole conversations with no prompt column, in parquet: the same tokens (test_preference.py).
+    conversation_files = []
+    for flag, path in zip(pair_files[0:4:2], pair_files[1:4:2], strict=True):
+        pairs = Dataset.from_json(path)
+        whole = Dataset.from_dict({side: [p + r for p, r in zip(pairs["prompt"], pairs[side], strict=True)]
+                                   for side in ("chosen", "rejected")})
+        whole.to_parquet(tmp_path / Path(path).with_suffix(".parquet").name)
+        conversation_files += [flag, str(tmp_path / Path(path).with_suffix(".parquet").name)]
     out = tmp_path / "dpo"
-    run_tiny(out, sft_out, pair_files, "--max_train_steps", "1")
+    run_tiny(out, sft_out, [*conversation_files, *pair_files[4:]], "--max_train_steps", "1")
     validation = Dataset.from_json(pair_files[3])
     tokenizer = AutoTokenizer.from_pretrained(sft_out)
     pairs = TokenizedDataset(tokenize_pairs(validation, tokenizer, 1024, "validation", tokenizing(tmp_path)),
@@ -222,11 +230,17 @@ def test_a_chat_run_s_adapter_is_the_start_and_the_reference(tiny_model, pair_fi
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model)
 
 
-def test_the_hub_card_says_dpo(hub, tiny_model, pair_files, tmp_path):
-    run_tiny(tmp_path / "out", tiny_model, pair_files, "--max_train_steps", "1", "--push_to_hub", "--hub_model_id",
-             "alice/support-dpo", "--hub_token", HUB_TOKEN, "--hub_strategy", "end")
-    card = hub.files("alice/support-dpo")["README.md"].decode()
+def test_the_hub_gets_a_card_that_says_dpo_and_replies_are_generated_when_asked(hub, tiny_model, pair_files, tmp_path):
+    run_tiny(tmp_path / "out", tiny_model, pair_files, "--max_train_steps", "1", "--eval_generate", "2",
+             "--max_new_tokens", "4", "--push_to_hub", "--hub_model_id", "alice/support-dpo", "--hub_token", HUB_TOKEN,
+             "--hub_strategy", "end")
+    files = hub.files("alice/support-dpo")
+    card = files["README.md"].decode()
     assert "for preference tuning (DPO)" in card and "recipes/dpo.py" in card and "eval_rewards_accuracy" in card
+    assert {"adapter_model.safetensors", "eval_predictions.jsonl", "all_results.json"} <= files.keys()
+    generations = read_jsonl(tmp_path / "out" / "eval_generations.jsonl")
+    assert [g["reference"] for g in generations] == [row["chosen"][0]["content"]
+                                                     for row in make_preference_pairs()["validation"].select(range(2))]
 
 
 def pair(prompt, chosen, rejected) -> dict:
