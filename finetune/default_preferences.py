@@ -18,14 +18,14 @@ from finetune.default_dataset import LABEL_NAMES
 
 __all__ = ["make_preference_pairs"]
 
-NUM_TRAIN, NUM_EVAL = 80, 32
+NUM_TRAIN, NUM_EVAL = 120, 32
 _SEED = 20261201
 _CURT = ["We received your message.", "Thank you for writing.", "Please wait for an answer.",
          "Noted, someone will reply."]
 
 
 def make_preference_pairs() -> DatasetDict:
-    """``train`` (80) and ``validation`` (32) rows: ``prompt`` and ``chosen``/``rejected`` as message lists, and
+    """``train`` (120) and ``validation`` (32) rows: ``prompt`` and ``chosen``/``rejected`` as message lists, and
     the ticket's ``team``."""
     conversations = make_support_conversations()
     rng = random.Random(_SEED)
