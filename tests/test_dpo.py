@@ -115,8 +115,9 @@ def test_default_validation_prompts_are_not_in_the_training_pairs():
 def test_the_first_step_logs_ln_2_and_zero_rewards_and_a_frozen_copy_is_the_reference_without_lora(
         tiny_model, pair_files, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    full = tokenize_pairs(Dataset.from_json(pair_files[1]), tokenizer, 1024, "train", tokenizing(tmp_path))
-    limit = max(len(ids) for ids in full["prompt_ids"]) + 8
+    full, validation = (tokenize_pairs(Dataset.from_json(path), tokenizer, 1024, "train", tokenizing(tmp_path))
+                        for path in pair_files[1:4:2])
+    limit = max(len(ids) for ids in full["prompt_ids"] + validation["prompt_ids"]) + 8  # room for every reply
     cut = sum(len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"])) > limit for row in full)
     assert 0 < cut < 20
     out = tmp_path / "out"
