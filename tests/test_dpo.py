@@ -153,13 +153,13 @@ def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, pair_f
         for a, b in zip(ours, reference, strict=True):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
             for name in METRICS:
-                assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-6), (launcher, name, a, b)
+                assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-5), (launcher, name, a, b)
         other = load_file(outs[launcher] / "adapter_model.safetensors")
         assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-4
         results, expected = read_results(outs[launcher]), read_results(outs["one"])
         assert (results["world_size"], expected["world_size"]) == (2, 1)
         for name in METRICS:
-            assert results[f"eval_{name}"] == pytest.approx(expected[f"eval_{name}"], rel=1e-5, abs=1e-6)
+            assert results[f"eval_{name}"] == pytest.approx(expected[f"eval_{name}"], rel=1e-5, abs=1e-5)
         predictions = read_jsonl(outs[launcher] / "eval_predictions.jsonl")
         alone = read_jsonl(outs["one"] / "eval_predictions.jsonl")
         assert [p["index"] for p in predictions] == list(range(9))
@@ -189,12 +189,16 @@ def test_a_resumed_run_with_a_precomputed_reference_ends_where_an_uninterrupted_
     timeless = [[{k: v for k, v in h.items() if k != "samples_per_second"} for h in history(tmp_path / name)]
                 for name in ("resumed", "full")]
     assert timeless[0] == timeless[1] and len(timeless[1]) == 10
-    # The live reference trains the same way: each pair's reference within 1e-5 (relative to sums of about -150).
+    # The live reference trains the same way. The precomputed one comes from batches of other shapes, which round
+    # sums of about -150 differently (1e-5): at step 1 its rewards are that far from 0, of either sign, so the share
+    # of pairs with a positive margin is compared from step 2 on, when margins are far larger.
     run_tiny(tmp_path / "live", tiny_model, pair_files, *flags)
     assert len(load_file(stored)["log_probs"]) == 20
     for a, b in zip(history(tmp_path / "live"), history(tmp_path / "full"), strict=True):
         for name in METRICS:
-            assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-5), (name, a, b)
+            if name != "rewards_accuracy" or a["step"] > 1:
+                assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-5), (name, a, b)
+        assert abs(b["rewards_margin"]) > 1e-3 or b["step"] == 1
 
 
 def test_a_chat_run_s_adapter_is_the_start_and_the_reference(tiny_model, pair_files, tmp_path):
