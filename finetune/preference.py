@@ -30,7 +30,7 @@ from finetune.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
 from finetune.prepared_data import TOKEN_IDS, Tokenizing
 
-__all__ = ["LOSS_TYPES", "PairCollator", "Reference", "dpo_loss", "load_causal_lm", "pair_figures", "pair_log_probs",
+__all__ = ["LOSS_TYPES", "PairCollator", "Reference", "dpo_loss", "is_adapter_folder", "load_causal_lm", "pair_figures", "pair_log_probs",
            "precomputed_reference", "preference_layout", "read_pairs", "tokenize_pairs"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
@@ -276,19 +276,24 @@ def load_causal_lm(name_or_path: str, **kwargs):
 
     from finetune.models import from_pretrained
 
-    folder = Path(os.path.expanduser(name_or_path))
-    if not (folder / "adapter_config.json").is_file():
+    if not is_adapter_folder(name_or_path):
         return from_pretrained(transformers.AutoModelForCausalLM, name_or_path, **kwargs)
     from peft import PeftConfig, PeftModel
 
-    base_path = PeftConfig.from_pretrained(str(folder)).base_model_name_or_path
+    folder = os.path.expanduser(name_or_path)
+    base_path = PeftConfig.from_pretrained(folder).base_model_name_or_path
     try:
         base = from_pretrained(transformers.AutoModelForCausalLM, base_path, **kwargs)
     except UserError as err:
         raise UserError(f"--model_name_or_path {name_or_path} is an adapter for {base_path}, which cannot be loaded "
                         f"({err}); give the base model's folder as base_model_name_or_path in adapter_config.json"
                         ) from None
-    return PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+    return PeftModel.from_pretrained(base, folder).merge_and_unload()
+
+
+def is_adapter_folder(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is a local folder holding a peft adapter (``adapter_config.json``)."""
+    return (Path(os.path.expanduser(name_or_path)) / "adapter_config.json").is_file()
 
 
 def precomputed_reference(reference: Reference, policy, pairs, collate, batch_size: int, max_tokens: int, path: Path,

@@ -42,6 +42,7 @@ from finetune.preference import (
     PairCollator,
     Reference,
     dpo_loss,
+    is_adapter_folder,
     load_causal_lm,
     pair_figures,
     pair_log_probs,
@@ -128,7 +129,10 @@ class DPOTask:
                          truncated=data.info["cut"],
                          summary=f"a pair per example, --loss_type {args.loss_type} --beta {args.beta}, "
                                  f"{'precomputed' if args.precompute_ref_log_probs else 'live'} reference"
-                                 + (f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else ""))
+                                 + (f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else "")
+                                 + (f", from {cfg.model_name_or_path} folded into its base model (the saved adapter "
+                                    "applies to that model; --merge_lora also saves one that stands alone)"
+                                    if cfg.model_name_or_path and is_adapter_folder(cfg.model_name_or_path) else ""))
 
     def loss(self, model, batch):
         index = batch.pop("index")

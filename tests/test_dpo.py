@@ -218,7 +218,8 @@ def test_a_chat_run_s_adapter_is_the_start_and_the_reference(tiny_model, pair_fi
         whole.to_parquet(tmp_path / Path(path).with_suffix(".parquet").name)
         conversation_files += [flag, str(tmp_path / Path(path).with_suffix(".parquet").name)]
     out = tmp_path / "dpo"
-    run_tiny(out, sft_out, [*conversation_files, *pair_files[4:]], "--max_train_steps", "1")
+    result = run_tiny(out, sft_out, [*conversation_files, *pair_files[4:]], "--max_train_steps", "1")
+    assert f"from {sft_out} folded into its base model" in result.stdout
     validation = Dataset.from_json(pair_files[3])
     tokenizer = AutoTokenizer.from_pretrained(sft_out)
     pairs = TokenizedDataset(tokenize_pairs(validation, tokenizer, 1024, "validation", tokenizing(tmp_path)),
