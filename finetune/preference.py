@@ -30,8 +30,9 @@ from finetune.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
 from finetune.prepared_data import TOKEN_IDS, Tokenizing
 
-__all__ = ["LOSS_TYPES", "PairCollator", "Reference", "dpo_loss", "is_adapter_folder", "load_causal_lm", "pair_figures", "pair_log_probs",
-           "precomputed_reference", "preference_layout", "read_pairs", "tokenize_pairs"]
+__all__ = ["LOSS_TYPES", "PairCollator", "Reference", "dpo_loss", "is_adapter_folder", "load_causal_lm",
+           "pair_figures", "pair_log_probs", "precomputed_reference", "preference_layout", "read_pairs",
+           "tokenize_pairs"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
 
