@@ -315,16 +315,17 @@ def precomputed_reference(reference: Reference, policy, pairs, collate, batch_si
     if not missing:
         return table
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    mine = list(range(rank, len(pairs), world))
-    parts = [torch.zeros((0, 2), device=device)]
-    for start in range(0, len(mine), batch_size):
+    # Process r's k-th row is pair r + k x world. Every process takes as many rows (a short share repeats its last
+    # pair), so all run as many forward passes, as a sharded model needs; the repeats land past the last pair.
+    share = -(-len(pairs) // world)
+    mine = list(range(rank, len(pairs), world)) or [0]
+    mine += mine[-1:] * (share - len(mine))
+    parts = []
+    for start in range(0, share, batch_size):
         batch = collate(pairs.__getitems__(mine[start:start + batch_size]))
         batch.pop("index")
         parts.append(reference.pair_log_probs(policy, {k: v.to(device) for k, v in batch.items()}, max_tokens))
-    local = torch.cat(parts)
-    # Rows are padded to the same count on every process for the gather; process r's k-th row is pair r + k x world.
-    share = -(-len(pairs) // world)
-    gathered = torch.stack(all_gather_padded(torch.cat([local, local.new_zeros((share - len(local), 2))])))
+    gathered = torch.stack(all_gather_padded(torch.cat(parts)))
     table = gathered.transpose(0, 1).reshape(-1, 2)[:len(pairs)]
     if rank == 0:
         partial = path.with_name(path.name + ".partial")

@@ -137,23 +137,26 @@ PARITY_FLAGS = ["--gradient_accumulation_steps", "2", "--num_train_epochs", "2",
 
 @pytest.mark.multiprocess
 def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, pair_files, tmp_path):
-    """A pair is the loss unit: the mean over the pairs of a whole window on all ranks, so 1 x 4 equals 2 x 2."""
+    """A pair is the loss unit: the mean over the pairs of a whole window on all ranks, so 1 x 4 equals 2 x 2. The
+    torchrun run precomputes its reference, each pair on one of the two processes."""
     outs = {"one": tmp_path / "one", "accelerate": tmp_path / "accelerate", "torchrun": tmp_path / "torchrun"}
     run_tiny(outs["one"], tiny_model, pair_files, *PARITY_FLAGS, "--per_device_train_batch_size", "4",
              launcher="accelerate", processes=1)
-    for launcher in ("accelerate", "torchrun"):
-        run_tiny(outs[launcher], tiny_model, pair_files, *PARITY_FLAGS, "--per_device_train_batch_size", "2",
+    for launcher, extra in (("accelerate", []), ("torchrun", ["--precompute_ref_log_probs"])):
+        run_tiny(outs[launcher], tiny_model, pair_files, *PARITY_FLAGS, *extra, "--per_device_train_batch_size", "2",
                  launcher=launcher, processes=2)
     reference = history(outs["one"])
     assert [h["step"] for h in reference] == list(range(1, 7))  # 20 pairs, windows of 8, 2 epochs
+    assert load_file(outs["torchrun"] / "ref_log_probs.safetensors")["log_probs"].shape == (20, 2)
     adapter = load_file(outs["one"] / "adapter_model.safetensors")
     for launcher in ("accelerate", "torchrun"):
         ours = history(outs[launcher])
         assert [h["step"] for h in ours] == [h["step"] for h in reference]
         for a, b in zip(ours, reference, strict=True):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-            for name in METRICS:
-                assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-5), (launcher, name, a, b)
+            for name in METRICS:  # (at step 1 a precomputed reference's rewards are float rounding from 0)
+                if name != "rewards_accuracy" or a["step"] > 1 or launcher == "accelerate":
+                    assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-5), (launcher, name, a, b)
         other = load_file(outs[launcher] / "adapter_model.safetensors")
         assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-4
         results, expected = read_results(outs[launcher]), read_results(outs["one"])
