@@ -31,8 +31,8 @@ from finetune.errors import UserError
 from finetune.prepared_data import TOKEN_IDS, Tokenizing
 
 __all__ = ["LOSS_TYPES", "PairCollator", "Reference", "dpo_loss", "is_adapter_folder", "load_causal_lm",
-           "pair_figures", "pair_log_probs", "precomputed_reference", "preference_layout", "read_pairs",
-           "tokenize_pairs"]
+           "pair_figures", "pair_log_probs", "pair_metrics", "precomputed_reference", "preference_layout", "read_pairs",
+           "tokenize_pairs", "write_pair_predictions"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
 
@@ -233,6 +233,25 @@ def pair_figures(policy: torch.Tensor, rewards: torch.Tensor) -> dict[str, torch
             "rewards_margin": (rewards[:, 0] - rewards[:, 1]).sum(),
             "rewards_accuracy": (rewards[:, 0] > rewards[:, 1]).sum().float(),
             "logps_chosen": policy[:, 0].sum(), "logps_rejected": policy[:, 1].sum()}
+
+
+def pair_metrics(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor, loss_type: str, beta: float,
+                 label_smoothing: float = 0.0) -> dict[str, float]:
+    """The mean loss (``dpo_loss``) and the mean of each of ``pair_figures`` over every pair."""
+    losses, rewards = dpo_loss(policy, reference, counts, loss_type, beta, label_smoothing)
+    figures = pair_figures(policy, rewards)
+    return {"loss": losses.mean().item(), **{name: value.item() / len(losses) for name, value in figures.items()}}
+
+
+def write_pair_predictions(path: str, policy: torch.Tensor, reference: torch.Tensor, beta: float) -> None:
+    """``eval_predictions.jsonl``: for each pair in order, the policy's and the reference's summed log-probabilities
+    of both replies, and the margin of the chosen reply's reward over the rejected one's."""
+    with open(path, "w") as f:
+        for index, (mine, theirs) in enumerate(zip(policy.tolist(), reference.tolist(), strict=True)):
+            margin = beta * ((mine[0] - theirs[0]) - (mine[1] - theirs[1]))
+            f.write(json.dumps({"index": index, "policy_logps_chosen": mine[0], "policy_logps_rejected": mine[1],
+                                "reference_logps_chosen": theirs[0], "reference_logps_rejected": theirs[1],
+                                "rewards_margin": margin}) + "\n")
 
 
 class Reference:

@@ -14,7 +14,6 @@ messages), or only `chosen` and `rejected` conversations that share every turn b
 model trained and the reference. Flags follow TRL's DPO script; `--config FILE.yaml` sets any of them.
 """
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +45,10 @@ from finetune.preference import (
     load_causal_lm,
     pair_figures,
     pair_log_probs,
+    pair_metrics,
     precomputed_reference,
     tokenize_pairs,
+    write_pair_predictions,
 )
 from finetune.task import TaskSetup
 
@@ -160,10 +161,8 @@ class DPOTask:
 
     def metrics(self, outputs):
         policy, reference, counts, replies = outputs
-        losses, rewards = dpo_loss(policy, reference, counts, self.args.loss_type, self.args.beta,
-                                   self.args.label_smoothing)
-        metrics = {"loss": losses.mean().item(),
-                   **{name: value.item() / len(losses) for name, value in pair_figures(policy, rewards).items()}}
+        metrics = pair_metrics(policy, reference, counts, self.args.loss_type, self.args.beta,
+                               self.args.label_smoothing)
         self.generations = [self.tokenizer.decode([t for t in row if t != IGNORE], skip_special_tokens=True)
                             for row in replies[:len(self.prompts)].tolist()]
         if self.teams and self.generations:
@@ -172,12 +171,7 @@ class DPOTask:
 
     def write_predictions(self, outputs, output_dir):
         policy, reference, _, _ = outputs
-        with open(os.path.join(output_dir, "eval_predictions.jsonl"), "w") as f:
-            for index, (mine, theirs) in enumerate(zip(policy.tolist(), reference.tolist(), strict=True)):
-                margin = self.args.beta * ((mine[0] - theirs[0]) - (mine[1] - theirs[1]))
-                f.write(json.dumps({"index": index, "policy_logps_chosen": mine[0], "policy_logps_rejected": mine[1],
-                                    "reference_logps_chosen": theirs[0], "reference_logps_rejected": theirs[1],
-                                    "rewards_margin": margin}) + "\n")
+        write_pair_predictions(os.path.join(output_dir, "eval_predictions.jsonl"), policy, reference, self.args.beta)
         if self.generations:
             write_generations(os.path.join(output_dir, "eval_generations.jsonl"), self.prompted, self.generations)
 

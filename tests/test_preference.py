@@ -3,6 +3,7 @@ reference (adapters off, or a frozen copy), log-probabilities against TRL's, and
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -24,8 +25,10 @@ from finetune.preference import (
     load_causal_lm,
     pair_figures,
     pair_log_probs,
+    pair_metrics,
     precomputed_reference,
     tokenize_pairs,
+    write_pair_predictions,
 )
 
 SYSTEM = {"role": "system", "content": "Route the ticket."}
@@ -149,7 +152,7 @@ def test_bad_rows_are_refused_naming_the_row(tokenizer, tmp_path, case):
         tokenize(rows, tokenizer, tmp_path)
 
 
-def test_the_losses_and_rewards():
+def test_the_losses_rewards_metrics_and_predictions(tmp_path):
     policy = torch.tensor([[-10.0, -14.0], [-20.0, -18.0]])
     reference = torch.tensor([[-12.0, -12.0], [-19.0, -19.0]])
     counts = torch.tensor([[4, 2], [5, 3]])
@@ -168,6 +171,13 @@ def test_the_losses_and_rewards():
     assert {k: v.item() for k, v in figures.items()} == {
         "rewards_chosen": 0.5, "rewards_rejected": -0.5, "rewards_margin": 1.0, "rewards_accuracy": 1.0,
         "logps_chosen": -30.0, "logps_rejected": -32.0}
+    metrics = pair_metrics(policy, reference, counts, "sigmoid", beta=0.5)
+    assert metrics == {"loss": pytest.approx(losses.mean().item()), "rewards_chosen": 0.25, "rewards_rejected": -0.25,
+                       "rewards_margin": 0.5, "rewards_accuracy": 0.5, "logps_chosen": -15.0, "logps_rejected": -16.0}
+    write_pair_predictions(str(tmp_path / "predictions.jsonl"), policy, reference, beta=0.5)
+    lines = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]
+    assert [(p["index"], p["rewards_margin"], p["reference_logps_rejected"]) for p in lines] == [(0, 2.0, -12.0),
+                                                                                               (1, -1.0, -19.0)]
 
 
 @pytest.mark.parametrize("lora", [True, False])
