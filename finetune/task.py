@@ -53,10 +53,10 @@ class Task(Protocol):
     """Names the trackers' project, the data cache and the recipe in the model card (``classify``, ``sft``, ...)."""
     card: ModelCardInfo
     tokenizing_code: tuple[str, ...]
+    """Modules (besides the recipe's own) whose code makes the tokens: a change to them rebuilds the data cache."""
     logged_figures: tuple[str, ...]
     """Optional: names of sums ``loss`` returns besides the loss; each logging interval logs each per loss unit,
     over every process (DPO's rewards)."""
-    """Modules (besides the recipe's own) whose code makes the tokens: a change to them rebuilds the data cache."""
 
     def load_tokenizer(self, cfg) -> Any:
         """The tokenizer (or processor) the data is tokenized with and that is saved beside the model."""
