@@ -56,13 +56,13 @@ def pair_files(tmp_path_factory) -> list[str]:
             "--per_device_eval_batch_size", "4", "--logging_steps", "1", "--lora_dropout", "0"]
 
 
-def run_tiny(out: Path, model: Path, pair_files: list[str], *flags, launcher=None, processes=1, check=True):
+def run_tiny(out: Path, model: Path, pair_files: list[str], *flags, launcher=None, processes=1, env=None):
     common = [*pair_files, "--model_name_or_path", str(model), "--output_dir", str(out), *flags]
     if launcher == "torchrun":
         return run(torchrun_cmd(*common, nproc=processes, script=RECIPE))
     if launcher == "accelerate":
         return run(accelerate_cmd(*common, num_processes=processes, script=RECIPE))
-    return run([sys.executable, RECIPE, *common], check=check)
+    return run([sys.executable, RECIPE, *common], env=env)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -117,7 +117,7 @@ def test_the_first_step_logs_ln_2_and_zero_rewards_and_a_frozen_copy_is_the_refe
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     full, validation = (tokenize_pairs(Dataset.from_json(path), tokenizer, 1024, "train", tokenizing(tmp_path))
                         for path in pair_files[1:4:2])
-    limit = max(len(ids) for ids in full["prompt_ids"] + validation["prompt_ids"]) + 8  # room for every reply
+    limit = max(len(ids) for ids in [*full["prompt_ids"], *validation["prompt_ids"]]) + 8  # room for every reply
     cut = sum(len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"])) > limit for row in full)
     assert 0 < cut < 20
     out = tmp_path / "out"
@@ -242,7 +242,7 @@ def test_a_chat_run_s_adapter_is_the_start_and_the_reference(tiny_model, pair_fi
 def test_the_hub_gets_a_card_that_says_dpo_and_replies_are_generated_when_asked(hub, tiny_model, pair_files, tmp_path):
     run_tiny(tmp_path / "out", tiny_model, pair_files, "--max_train_steps", "1", "--eval_generate", "2",
              "--max_new_tokens", "4", "--push_to_hub", "--hub_model_id", "alice/support-dpo", "--hub_token", HUB_TOKEN,
-             "--hub_strategy", "end")
+             "--hub_strategy", "end", env=hub.env)
     files = hub.files("alice/support-dpo")
     card = files["README.md"].decode()
     assert "for preference tuning (DPO)" in card and "recipes/dpo.py" in card and "eval_rewards_accuracy" in card
