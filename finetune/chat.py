@@ -115,8 +115,7 @@ def tokenize_conversations(split: datasets.Dataset, tokenizer: PreTrainedTokeniz
 
     def encode(batch, rows):
         conversations = read_conversations(batch, rows, layout, name)
-        rendered = [render_reply_spans(messages, tokenizer, f"{name} row {row + 1}")
-                    for row, messages in zip(rows, conversations, strict=True)]
+        rendered = render_reply_spans(conversations, tokenizer, [f"{name} row {row + 1}" for row in rows])
         encoded = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True,
                             return_attention_mask=False)
         out = {"input_ids": [], "labels": []}
@@ -152,26 +151,34 @@ def tokenize_conversations(split: datasets.Dataset, tokenizer: PreTrainedTokeniz
     return tokenized
 
 
-def render_reply_spans(messages: list[dict], tokenizer, where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation's text and the character span of every assistant turn in it.
+def render_reply_spans(conversations: list[list[dict]], tokenizer,
+                       where: list[str]) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Each conversation's text and the character span of every assistant turn in it.
 
-    Raises ``UserError`` (prefixed by ``where``) for a template that renders earlier turns differently once
-    later ones follow."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []
-    for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:turn], tokenize=False, add_generation_prompt=True)
-        # Through the final message is the whole conversation, rendered already.
-        through = text if turn + 1 == len(messages) else tokenizer.apply_chat_template(messages[:turn + 1],
-                                                                                       tokenize=False)
+    Rendered in three template calls for all the conversations (the conversations; each reply's prefix with the
+    generation prompt; each reply but the last with what precedes it), not several per conversation: the
+    template's per-call cost is a large share of tokenizing a chat."""
+    texts = _render_each(conversations, tokenizer)
+    replies = [(row, turn) for row, messages in enumerate(conversations)
+               for turn, message in enumerate(messages) if message["role"] == "assistant"]
+    befores = _render_each([conversations[row][:turn] for row, turn in replies], tokenizer, add_generation_prompt=True)
+    # Through the final message is the whole conversation, rendered already.
+    inner = [(row, turn) for row, turn in replies if turn + 1 < len(conversations[row])]
+    throughs = dict(zip(inner, _render_each([conversations[row][:turn + 1] for row, turn in inner], tokenizer),
+                        strict=True))
+    spans = [[] for _ in conversations]
+    for (row, turn), before in zip(replies, befores, strict=True):
+        text, through = texts[row], throughs.get((row, turn), texts[row])
         if not (text.startswith(through) and through.startswith(before)):
-            raise UserError(f"{where}: the chat template renders earlier turns differently once later ones follow, "
-                            "so replies cannot be located by position; give --chat_template a template that "
+            raise UserError(f"{where[row]}: the chat template renders earlier turns differently once later ones "
+                            "follow, so replies cannot be located by position; give --chat_template a template that "
                             "renders a conversation turn by turn")
-        spans.append((len(before), len(through)))
-    return text, spans
+        spans[row].append((len(before), len(through)))
+    return list(zip(texts, spans, strict=True))
+
+
+def _render_each(conversations: list[list[dict]], tokenizer, **options) -> list[str]:
+    return tokenizer.apply_chat_template(conversations, tokenize=False, **options) if conversations else []
 
 
 def write_generations(path: str, rows: datasets.Dataset, generations: list[str]) -> None:

@@ -128,11 +128,14 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
 
     def encode(batch, rows):
         pairs = read_pairs(batch, rows, layout, name)
+        rendered = render_reply_spans([[*prompt, reply] for prompt, chosen, rejected in pairs
+                                       for reply in (chosen, rejected)],
+                                      tokenizer, [f"{name} row {row + 1}" for row in rows for _ in range(2)])
         texts = []  # each pair's prompt, chosen reply and rejected reply
-        for row, (prompt, chosen, rejected) in zip(rows, pairs, strict=True):
-            (prompt_text, chosen_text), (_, rejected_text) = (
-                _prompt_and_reply(prompt, reply, tokenizer, f"{name} row {row + 1}") for reply in (chosen, rejected))
-            texts += [prompt_text, chosen_text, rejected_text]
+        for (chosen_text, chosen_spans), (rejected_text, rejected_spans) in zip(rendered[0::2], rendered[1::2],
+                                                                                strict=True):
+            (start, end), (rejected_start, rejected_end) = chosen_spans[-1], rejected_spans[-1]
+            texts += [chosen_text[:start], chosen_text[start:end], rejected_text[rejected_start:rejected_end]]
         ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         out = {"prompt_ids": ids[0::3], "chosen_ids": [], "rejected_ids": [], LENGTH: [], "index": rows, "cut": []}
         for row, prompt_ids, chosen_ids, rejected_ids in zip(rows, ids[0::3], ids[1::3], ids[2::3], strict=True):
@@ -157,14 +160,6 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
     if generation_prompts:
         features.update(prompt_messages=datasets.Value("string"), reference=datasets.Value("string"))
     return tokenizing.map(split, encode, name, features)
-
-
-def _prompt_and_reply(prompt: list[dict], reply: dict, tokenizer, where: str) -> tuple[str, str]:
-    """The rendered prompt with the generation prompt, and the text the reply's turn adds after it (its
-    end-of-turn included)."""
-    text, spans = render_reply_spans([*prompt, reply], tokenizer, where)
-    start, end = spans[-1]
-    return text[:start], text[start:end]
 
 
 class PairCollator:

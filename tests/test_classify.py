@@ -71,10 +71,10 @@ def test_default_run_trains_offline_and_saves_a_plain_model(tmp_path):
     assert accuracy == pytest.approx(results["eval_accuracy"], abs=1e-12)
 
 
-def test_a_thread_count_the_user_chose_is_kept(tmp_path):
+def test_a_thread_count_the_user_chose_is_kept(small_data, tmp_path):
     result = run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
-                  "--num_cpu_threads_per_process", "1", "recipes/classify.py", *FAST_FLAGS, "--max_train_steps", "1",
-                  "--output_dir", str(tmp_path / "out")])
+                  "--num_cpu_threads_per_process", "1", "recipes/classify.py", *data_flags(small_data), *FAST_FLAGS,
+                  "--max_train_steps", "1", "--output_dir", str(tmp_path / "out")])
     assert "1 process(es) on cpu, 1 CPU thread(s) each" in result.stdout
 
 
@@ -96,8 +96,8 @@ def test_two_processes_evaluate_exactly_like_one(parity_runs, small_data):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
-@pytest.mark.parametrize("group_by_length", [True, False])
+# Each launcher once, each sampler once: the sampler is the same code under both launchers.
+@pytest.mark.parametrize(("launcher", "group_by_length"), [("accelerate", True), ("torchrun", False)])
 def test_each_process_gets_a_disjoint_shard_covering_every_example(tmp_path, launcher, group_by_length):
     flags = [str(tmp_path), "--per_device_train_batch_size", "4"]
     flags += [] if group_by_length else ["--no_group_by_length"]

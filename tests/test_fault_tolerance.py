@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,25 +57,34 @@ def test_a_kill_while_a_checkpoint_is_written_loses_nothing(small_data, tmp_path
     assert max_weight_diff(uninterrupted, out) == 0.0
 
 
-def test_a_damaged_checkpoint_is_refused_by_name(small_data, tmp_path):
-    out = tmp_path / "out"
-    flags = training_flags(small_data, out)
-    flags[flags.index("--num_train_epochs") + 1] = "1"
-    run([sys.executable, "recipes/classify.py", *flags, "--max_train_steps", "4"])
-    optimizer = out / "checkpoints" / "step_4" / "optimizer.bin"
+@pytest.fixture(scope="module")
+def two_steps(small_data, tmp_path_factory):
+    """A one-process run of 2 steps (global batch 8) with its checkpoint; each test works on a copy."""
+    out = tmp_path_factory.mktemp("two_steps") / "out"
+    run([sys.executable, "recipes/classify.py", *training_flags(small_data, out), "--max_train_steps", "2"])
+    return out
+
+
+def copy_of(run_folder: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run_folder, tmp_path / "out")
+    return tmp_path / "out"
+
+
+def test_a_damaged_checkpoint_is_refused_by_name(small_data, two_steps, tmp_path):
+    out = copy_of(two_steps, tmp_path)
+    optimizer = out / "checkpoints" / "step_2" / "optimizer.bin"
     optimizer.write_bytes(optimizer.read_bytes()[:1000])
-    result = run([sys.executable, "recipes/classify.py", *flags, "--resume_from_checkpoint",
-                  str(out / "checkpoints" / "step_4")], check=False)
+    result = run([sys.executable, "recipes/classify.py", *training_flags(small_data, out),
+                  "--resume_from_checkpoint", str(out / "checkpoints" / "step_2")], check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"checkpoint file {optimizer} is damaged" in result.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.multiprocess
-def test_resuming_with_another_global_batch_stops_with_the_numbers_to_use(small_data, tmp_path):
-    out = tmp_path / "out"
-    flags = training_flags(small_data, out)
-    run([sys.executable, "recipes/classify.py", *flags, "--max_train_steps", "2"])
-    result = run(torchrun_cmd(*flags, "--resume_from_checkpoint", str(out / "checkpoints" / "step_2")),
+def test_resuming_with_another_global_batch_stops_with_the_numbers_to_use(small_data, two_steps, tmp_path):
+    out = copy_of(two_steps, tmp_path)
+    result = run(torchrun_cmd(*training_flags(small_data, out), "--resume_from_checkpoint",
+                              str(out / "checkpoints" / "step_2")),
                  check=False)
     assert result.returncode != 0
     assert ("was written with a global batch of 8 (8 per device x 1 process(es) x 1 accumulation step(s)) and this "
@@ -163,15 +173,14 @@ class _TouchOnLoad:
         return (Path.touch, (Path(self.path),))
 
 
-def test_a_checkpoint_file_that_would_run_code_is_refused(small_data, tmp_path):
+def test_a_checkpoint_file_that_would_run_code_is_refused(small_data, two_steps, tmp_path):
     import hashlib
     import json
 
     import torch
 
-    out, marker = tmp_path / "out", tmp_path / "code-ran"
+    out, marker = copy_of(two_steps, tmp_path), tmp_path / "code-ran"
     flags = training_flags(small_data, out)
-    run([sys.executable, "recipes/classify.py", *flags, "--max_train_steps", "2"])
     checkpoint = out / "checkpoints" / "step_2"
     torch.save({"state": _TouchOnLoad(marker), "param_groups": []}, checkpoint / "optimizer.bin")
     manifest = json.loads((checkpoint / "manifest.json").read_text())  # consistent, as an attacker would make it
@@ -190,8 +199,6 @@ def test_a_restart_before_overwrite_output_dir_acts_never_resumes_the_run_being_
         parity_runs, small_data, no_dropout_model, tmp_path):
     """A fresh run with --overwrite_output_dir into a folder with another run's checkpoint dies before it has
     removed it (its worker killed as it starts); torchrun restarts it, and it starts fresh again."""
-    import shutil
-
     import psutil
 
     from finetune.checkpoint import read_progress
@@ -218,23 +225,22 @@ def test_a_restart_before_overwrite_output_dir_acts_never_resumes_the_run_being_
 
 
 @pytest.mark.multiprocess
-def test_a_restart_after_an_explicit_resume_continues_from_the_newest_checkpoint(small_data, tmp_path):
-    flags = [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "4", "--num_train_epochs", "2",
-             "--checkpointing_steps", "2"]
-    first = tmp_path / "first"
-    run(torchrun_cmd(*flags, "--max_train_steps", "2", "--output_dir", str(first)))
-    start = first / "checkpoints" / "step_2"
-    uninterrupted = tmp_path / "uninterrupted"
-    run(torchrun_cmd(*flags, "--output_dir", str(uninterrupted), "--resume_from_checkpoint", str(start)))
+def test_a_restart_after_an_explicit_resume_continues_from_the_newest_checkpoint(
+        parity_runs, small_data, no_dropout_model, tmp_path):
+    """Resumed from another folder's step_4, killed after its own step_8 (of 9): the restart continues from step_8,
+    not from step_4 again, and ends as the run never stopped."""
+    from conftest import assert_weights_match_a_parity_run
 
+    start = tmp_path / "start"
+    shutil.copytree(parity_runs("torchrun", 2, 4) / "checkpoints" / "step_4", start)
     out = tmp_path / "out"
-    command = torchrun_cmd(*flags, "--output_dir", str(out), "--resume_from_checkpoint", str(start))
+    command = torchrun_cmd(*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(out),
+                           "--resume_from_checkpoint", str(start))
     command.insert(command.index("--nproc_per_node"), "--max-restarts=1")
     job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    kill_rank_after(job, out / "checkpoints" / "step_6" / "manifest.json")
+    kill_rank_after(job, out / "checkpoints" / "step_8" / "manifest.json")
     output, _ = job.communicate(timeout=300)
     assert job.returncode == 0, output[-4000:]
     resumes = [line for line in output.splitlines() if "resumed from" in line]
-    assert len(resumes) == 2 and "step_2 at step 2" in resumes[0], resumes
-    assert "step_6 at step 6" in resumes[1] or "step_8 at step 8" in resumes[1], resumes
-    assert max_weight_diff(uninterrupted, out) == 0.0
+    assert len(resumes) == 2 and "start at step 4" in resumes[0] and "step_8 at step 8" in resumes[1], resumes
+    assert_weights_match_a_parity_run(parity_runs("torchrun", 2, 4), out)

@@ -201,43 +201,42 @@ PARITY_FLAGS = ["--gradient_accumulation_steps", "2", "--num_train_epochs", "2",
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("batches", ["--packing", "--no_packing"])
+# Each launcher once, each way of batching once (the batches are made alike under both launchers).
+@pytest.mark.parametrize(("batches", "launcher"), [("--packing", "accelerate"), ("--no_packing", "torchrun")])
 def test_one_process_and_two_train_alike_under_both_launchers(tiny_model_with_distinct_replies, chat_files, tmp_path,
-                                                              batches):
+                                                              batches, launcher):
     """The loss is the mean over the trained tokens of a whole window on all ranks: 1 x 4 equals 2 x 2."""
     model = tiny_model_with_distinct_replies
-    outs = {"one": tmp_path / "one", "accelerate": tmp_path / "accelerate", "torchrun": tmp_path / "torchrun"}
+    outs = {"one": tmp_path / "one", launcher: tmp_path / launcher}
     run_tiny(outs["one"], model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "4",
              launcher="accelerate", processes=1)
-    for launcher in ("accelerate", "torchrun"):
-        run_tiny(outs[launcher], model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "2",
-                 launcher=launcher, processes=2)
+    run_tiny(outs[launcher], model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "2",
+             launcher=launcher, processes=2)
     reference = history(outs["one"])
     assert [h["step"] for h in reference] == list(range(1, 7))  # 22 conversations, windows of 8, 2 epochs
     adapter = load_file(outs["one"] / "adapter_model.safetensors")
-    for launcher in ("accelerate", "torchrun"):
-        ours = history(outs[launcher])
-        assert [h["step"] for h in ours] == [h["step"] for h in reference]
-        for a, b in zip(ours, reference, strict=True):
-            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(
-                b["grad_norm"], rel=1e-4)
-        other = load_file(outs[launcher] / "adapter_model.safetensors")
-        assert other.keys() == adapter.keys()
-        # AdamW moves a weight by about the learning rate (1e-2) a step, less where its gradient is near zero, and
-        # there summing in another order can flip the update: a hundredth of one step (the losses and gradient
-        # norms above are the exact comparison).
-        assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-4
-        results, expected = read_results(outs[launcher]), read_results(outs["one"])
-        assert (results["world_size"], expected["world_size"]) == (2, 1)
-        assert results["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
-        assert (results["padding_efficiency"] == 1.0) == (batches == "--packing")
-        # Replies are generated in shards on every process and gathered: each must stay with its conversation.
-        generations = read_jsonl(outs[launcher] / "eval_generations.jsonl")
-        alone = read_jsonl(outs["one"] / "eval_generations.jsonl")
-        assert len(generations) == 11 and generations == alone
-        assert len({g["generation"] for g in alone}) > 1, "the replies differ, so a mix-up would show"
+    ours = history(outs[launcher])
+    assert [h["step"] for h in ours] == [h["step"] for h in reference]
+    for a, b in zip(ours, reference, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(
+            b["grad_norm"], rel=1e-4)
+    other = load_file(outs[launcher] / "adapter_model.safetensors")
+    assert other.keys() == adapter.keys()
+    # AdamW moves a weight by about the learning rate (1e-2) a step, less where its gradient is near zero, and
+    # there summing in another order can flip the update: a hundredth of one step (the losses and gradient
+    # norms above are the exact comparison).
+    assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-4
+    results, expected = read_results(outs[launcher]), read_results(outs["one"])
+    assert (results["world_size"], expected["world_size"]) == (2, 1)
+    assert results["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
+    assert (results["padding_efficiency"] == 1.0) == (batches == "--packing")
+    # Replies are generated in shards on every process and gathered: each must stay with its conversation.
+    generations = read_jsonl(outs[launcher] / "eval_generations.jsonl")
+    alone = read_jsonl(outs["one"] / "eval_generations.jsonl")
+    assert len(generations) == 11 and generations == alone
+    assert len({g["generation"] for g in alone}) > 1, "the replies differ, so a mix-up would show"
     # Checkpoints hold the adapter and its optimizer state only.
-    checkpoint = load_file(outs["torchrun"] / "checkpoints" / "step_4" / "model.safetensors")
+    checkpoint = load_file(outs[launcher] / "checkpoints" / "step_4" / "model.safetensors")
     assert checkpoint.keys() == {k.replace(".weight", ".default.weight") for k in adapter}
 
 

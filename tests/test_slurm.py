@@ -159,14 +159,14 @@ def test_a_requeued_job_resumes_by_itself_to_the_same_weights_keeping_its_checkp
 
 def test_the_warning_before_the_time_limit_leaves_a_checkpoint_the_requeued_job_resumes_from(
         slurm, small_data, no_dropout_model, tmp_path):
-    """With a 2-minute limit and the warning 45 s before it, Slurm (which checks limits every 30 s) warns 45 to
-    75 s into the job: the script passes the warning on, the step is saved, and the script requeues the job.
+    """With a 2-minute limit and the warning 90 s before it, Slurm (which checks limits every 30 s) warns 30 to
+    60 s into the job: the script passes the warning on, the step is saved, and the script requeues the job.
     The second attempt, the last of --max_attempts 2, stops on a warning too and is not requeued."""
     out = tmp_path / "out"
     # Only the stop writes a checkpoint: one every few of a thousand steps would fill the disk.
     flags = [*data_flags(small_data), *FAST_FLAGS, "--model_name_or_path", str(no_dropout_model),
              "--per_device_train_batch_size", "4", "--max_train_steps", "1000", "--output_dir", str(out)]
-    job = Job(slurm, tmp_path, ["--cpus-per-task=2", "--time=2", "--signal=B:USR1@45"], flags,
+    job = Job(slurm, tmp_path, ["--cpus-per-task=2", "--time=2", "--signal=B:USR1@90"], flags,
               script_options=("--max_attempts", "2"))
 
     job.start_requeued_now()
