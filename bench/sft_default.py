@@ -29,18 +29,35 @@ sys.path.insert(0, str(REPO))
 from finetune.prepared_data import load_or_build  # noqa: E402
 
 
-def base_model_metrics() -> dict:
-    spec = importlib.util.spec_from_file_location("sft_recipe", REPO / "recipes" / "sft.py")
+def recipe_metrics(recipe_name: str, arguments: str, task_class: str, flags: list[str]) -> dict:
+    """The recipe's evaluation metrics of the model its ``flags`` load, computed as the recipe computes them
+    (the task's own loss and greedy replies), all validation examples in one batch."""
+    spec = importlib.util.spec_from_file_location(f"{recipe_name}_recipe", REPO / "recipes" / f"{recipe_name}.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    cfg, args = recipe.parse_config(recipe.SFTArguments, ["--no_use_lora"], defaults=recipe.DEFAULTS)
-    task = recipe.SFTTask(args)
+    cfg, args = recipe.parse_config(getattr(recipe, arguments), flags, defaults=recipe.DEFAULTS)
+    task = getattr(recipe, task_class)(args)
     tokenizer = task.load_tokenizer(cfg)
     setup = task.setup(cfg, tokenizer, load_or_build(task, cfg, tokenizer))
-    batch = setup.eval_collate([setup.eval_set[i] for i in range(len(setup.eval_set))])
+    batch = (setup.eval_collate or setup.collate)([setup.eval_set[i] for i in range(len(setup.eval_set))])
     with torch.no_grad():
         metrics = task.metrics(task.eval_outputs(setup.model.eval(), batch))
     return {f"eval_{name}": value for name, value in metrics.items()}
+
+
+def launch_default_run(recipe_name: str, scratch: Path) -> tuple[dict, float, int]:
+    """The recipe's default run launched as the README launches it, under ``bench/probe.py``: its
+    ``all_results.json`` (the output folder is ``scratch/out``), wall seconds and peak resident MiB."""
+    reports = scratch / "reports"
+    reports.mkdir()
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                    str(REPO / "bench" / "probe.py"), str(REPO / "recipes" / f"{recipe_name}.py"), "--output_dir",
+                    str(scratch / "out")], cwd=REPO, check=True,
+                   env={**os.environ, "BENCH_REPORT_DIR": str(reports), "BENCH_LAUNCHED_AT": repr(time.time())})
+    wall = time.perf_counter() - start
+    peak = json.loads((reports / "rank0.json").read_text())["peak_rss_mib"]
+    return json.loads((scratch / "out" / "all_results.json").read_text()), wall, round(peak)
 
 
 def main(results_file: Path) -> None:
@@ -51,21 +68,12 @@ def main(results_file: Path) -> None:
         subprocess.run([sys.executable, "-c", "from finetune.models import default_chat_model_path as p; p()"],
                        cwd=REPO, check=True)
         conversion = time.perf_counter() - start
-        base = base_model_metrics()
+        base = recipe_metrics("sft", "SFTArguments", "SFTTask", ["--no_use_lora"])
         print("base model:", json.dumps(base), flush=True)
-        reports = Path(scratch, "reports")
-        reports.mkdir()
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
-                        str(REPO / "bench" / "probe.py"), str(REPO / "recipes" / "sft.py"), "--output_dir",
-                        f"{scratch}/out"], cwd=REPO, check=True,
-                       env={**os.environ, "BENCH_REPORT_DIR": str(reports), "BENCH_LAUNCHED_AT": repr(time.time())})
-        wall = time.perf_counter() - start
-        tuned = json.loads(Path(scratch, "out", "all_results.json").read_text())
-        peak = json.loads((reports / "rank0.json").read_text())["peak_rss_mib"]
+        tuned, wall, peak = launch_default_run("sft", Path(scratch))
     results = {"device": f"cpu ({torch.get_num_threads()} threads)", "torch": torch.__version__,
                "conversion_seconds": conversion, "base_model": base, "default_run": tuned,
-               "default_run_wall_seconds": wall, "default_run_peak_rss_mib": round(peak)}
+               "default_run_wall_seconds": wall, "default_run_peak_rss_mib": peak}
     results_file.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
 

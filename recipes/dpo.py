@@ -53,9 +53,10 @@ from finetune.preference import (
 from finetune.task import TaskSetup
 
 DEFAULT_DATA = "support preference pairs (embedded default)"
-DEFAULTS = {"output_dir": "outputs/dpo", "num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 8,
+DEFAULTS = {"output_dir": "outputs/dpo", "num_train_epochs": 1, "learning_rate": 1e-3, "per_device_train_batch_size": 8,
             "per_device_eval_batch_size": 16, "max_seq_length": 1024}
-"""The shared options' defaults for this recipe (LoRA trains well at a higher learning rate)."""
+"""The shared options' defaults for this recipe (LoRA trains well at a higher learning rate; one epoch of the
+embedded pairs already ranks every held-out pair right)."""
 COLUMNS = ["prompt_ids", "chosen_ids", "rejected_ids", "index"]
 REFERENCE_FILE = "ref_log_probs.safetensors"
 
