@@ -27,9 +27,9 @@ from finetune.lora import save_adapter
 from finetune.models import default_chat_model_path, from_pretrained
 from finetune.task import ModelCardInfo
 
-__all__ = ["CausalLMArguments", "ChatModelArguments", "chat_model_card", "check_output_layer", "load_chat_tokenizer",
-           "save_chat_model", "greedy_replies", "label_log_probs",
-           "language_model_collators", "split_by_tokens", "summed_log_probs"]
+__all__ = ["CausalLMArguments", "ChatModelArguments", "chat_model_card", "check_output_layer", "decode_replies",
+           "greedy_replies", "label_log_probs", "language_model_collators", "load_chat_tokenizer", "save_chat_model",
+           "split_by_tokens", "summed_log_probs"]
 
 LOGITS_PER_CHUNK = 2**24
 """Logits computed at once (64 MiB in float32): a chunk holds ``LOGITS_PER_CHUNK // vocabulary`` positions."""
@@ -272,6 +272,12 @@ def greedy_replies(model, index: torch.Tensor, prompts: list[list[int]], tokeniz
             replies[list(rows), :generated.shape[1]] = generated.masked_fill(
                 (generated == tokenizer.eos_token_id).cumsum(1) > 0, IGNORE)
     return replies
+
+
+def decode_replies(replies: torch.Tensor, count: int, tokenizer) -> list[str]:
+    """The text of the first ``count`` rows of ``greedy_replies``' (gathered) output, special tokens left out."""
+    return [tokenizer.decode([t for t in row if t != IGNORE], skip_special_tokens=True)
+            for row in replies[:count].tolist()]
 
 
 def _passes_behind(model, passes: int, device: torch.device) -> int:

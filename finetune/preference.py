@@ -14,8 +14,10 @@ import contextlib
 import copy
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 import torch
@@ -30,11 +32,22 @@ from finetune.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
 from finetune.prepared_data import TOKEN_IDS, Tokenizing
 
-__all__ = ["LOSS_TYPES", "PairCollator", "Reference", "dpo_loss", "is_adapter_folder", "load_causal_lm",
-           "pair_figures", "pair_log_probs", "pair_metrics", "precomputed_reference", "preference_layout", "read_pairs",
-           "tokenize_pairs", "write_pair_predictions"]
+__all__ = ["LOSS_TYPES", "PairCollator", "Precomputation", "Reference", "check_loss_options", "dpo_loss",
+           "is_adapter_folder", "load_causal_lm", "pair_figures", "pair_log_probs", "pair_metrics",
+           "precomputed_reference", "preference_layout", "read_pairs", "tokenize_pairs", "write_pair_predictions"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
+
+
+def check_loss_options(loss_type: str, beta: float, label_smoothing: float) -> None:
+    """Raises ``UserError`` for options ``dpo_loss`` cannot take (as flags: --loss_type, --beta, --label_smoothing)."""
+    if loss_type not in LOSS_TYPES:
+        raise UserError(f"--loss_type {loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
+    if beta <= 0:
+        raise UserError(f"--beta is {beta}; it must be positive")
+    if not 0 <= label_smoothing < 0.5 or (label_smoothing and loss_type != "robust"):
+        raise UserError(f"--label_smoothing is {label_smoothing}; give a share in [0, 0.5) with --loss_type robust, "
+                        "or leave it at 0")
 
 
 def preference_layout(split: datasets.Dataset, name: str) -> tuple[str, ...]:
@@ -249,12 +262,35 @@ def write_pair_predictions(path: str, policy: torch.Tensor, reference: torch.Ten
                                 "rewards_margin": margin}) + "\n")
 
 
+@dataclass
+class Precomputation:
+    """What computing every training pair's reference log-probabilities once takes (``precomputed_reference``)."""
+
+    pairs: Any
+    collate: Callable[[list[dict]], dict]
+    batch_size: int
+    max_tokens: int
+    path: Path
+    key: str
+
+
 class Reference:
     """The reference model: with LoRA, the policy itself with its adapters switched off; without, a frozen copy
-    of the policy as it was given. Either runs in eval mode (no dropout), under ``no_grad``."""
+    of the policy as it was given. Either runs in eval mode (no dropout), under ``no_grad``. With a
+    ``precomputation``, training batches read their reference from a table computed once."""
 
-    def __init__(self, model):
+    def __init__(self, model, precomputation: Precomputation | None = None):
         self.frozen = None if hasattr(model, "disable_adapter") else copy.deepcopy(model).eval().requires_grad_(False)
+        self.precomputation, self.table = precomputation, None
+
+    def training_log_probs(self, policy, batch: dict, index: torch.Tensor) -> torch.Tensor:
+        """``[pairs, 2]``: the reference of a training batch whose pairs are ``index``, live or from the
+        precomputed table (made at the first call, before the policy has moved: every process must make it)."""
+        if self.precomputation is None:
+            return self.pair_log_probs(policy, batch)
+        if self.table is None:
+            self.table = precomputed_reference(self, policy, **vars(self.precomputation))
+        return self.table[index.to(self.table.device)]
 
     def pair_log_probs(self, policy, batch: dict, max_tokens: int | None = None) -> torch.Tensor:
         """``[pairs, 2]`` summed reply log-probabilities of ``batch`` (as ``pair_log_probs``; in passes of at most

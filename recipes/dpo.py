@@ -23,30 +23,31 @@ from finetune.causal_lm import (
     ChatModelArguments,
     chat_model_card,
     check_output_layer,
+    decode_replies,
     greedy_replies,
     load_chat_tokenizer,
     save_chat_model,
     summed_log_probs,
 )
-from finetune.chat import IGNORE, write_generations
+from finetune.chat import write_generations
 from finetune.config import arg, parse_config
 from finetune.data import load_splits
 from finetune.default_chat import routing_accuracy
 from finetune.default_preferences import make_preference_pairs
-from finetune.errors import UserError, run_main
+from finetune.errors import run_main
 from finetune.lora import add_lora
 from finetune.models import default_chat_model_path
 from finetune.preference import (
-    LOSS_TYPES,
     PairCollator,
+    Precomputation,
     Reference,
+    check_loss_options,
     dpo_loss,
     is_adapter_folder,
     load_causal_lm,
     pair_figures,
     pair_log_probs,
     pair_metrics,
-    precomputed_reference,
     tokenize_pairs,
     write_pair_predictions,
 )
@@ -76,13 +77,7 @@ class DPOArguments(ChatModelArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.loss_type not in LOSS_TYPES:
-            raise UserError(f"--loss_type {self.loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
-        if self.beta <= 0:
-            raise UserError(f"--beta is {self.beta}; it must be positive")
-        if not 0 <= self.label_smoothing < 0.5 or (self.label_smoothing and self.loss_type != "robust"):
-            raise UserError(f"--label_smoothing is {self.label_smoothing}; give a share in [0, 0.5) with "
-                            "--loss_type robust, or leave it at 0")
+        check_loss_options(self.loss_type, self.beta, self.label_smoothing)
 
 
 class DPOTask:
@@ -115,7 +110,7 @@ class DPOTask:
 
     def setup(self, cfg, tokenizer, data):
         args = self.args
-        self.tokenizer, self.teams, self.cfg, self.data_folder = tokenizer, data.info["teams"], cfg, data.folder
+        self.tokenizer, self.teams = tokenizer, data.info["teams"]
         self.prompted = data.validation.select(range(min(args.eval_generate, len(data.validation))))
         self.prompts = [row["prompt_ids"] for row in self.prompted]
         model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
@@ -123,11 +118,14 @@ class DPOTask:
         if args.use_lora:
             model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
         check_output_layer(model)
-        self.reference, self.precomputed = Reference(model), None
         self.collate = PairCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                                     else tokenizer.eos_token_id)
-        self.train_set = TokenizedDataset(data.train, COLUMNS)
-        return TaskSetup(self.train_set, TokenizedDataset(data.validation, COLUMNS), self.collate, model,
+        train_set = TokenizedDataset(data.train, COLUMNS)
+        self.reference = Reference(model, Precomputation(
+            train_set, self.collate, cfg.per_device_eval_batch_size, args.per_device_eval_max_tokens,
+            Path(cfg.output_dir) / REFERENCE_FILE, key=f"{cfg.model_name_or_path} {data.folder.name}",
+        ) if args.precompute_ref_log_probs else None)
+        return TaskSetup(train_set, TokenizedDataset(data.validation, COLUMNS), self.collate, model,
                          truncated=data.info["cut"],
                          summary=f"a pair per example, --loss_type {args.loss_type} --beta {args.beta}, "
                                  f"{'precomputed' if args.precompute_ref_log_probs else 'live'} reference"
@@ -137,16 +135,7 @@ class DPOTask:
                                     if cfg.model_name_or_path and is_adapter_folder(cfg.model_name_or_path) else ""))
 
     def loss(self, model, batch):
-        index = batch.pop("index")
-        if self.args.precompute_ref_log_probs:
-            if self.precomputed is None:  # the first step of every process, before the policy has moved
-                self.precomputed = precomputed_reference(
-                    self.reference, model, self.train_set, self.collate, self.cfg.per_device_eval_batch_size,
-                    self.args.per_device_eval_max_tokens, Path(self.cfg.output_dir) / REFERENCE_FILE,
-                    key=f"{self.cfg.model_name_or_path} {self.data_folder.name}")
-            reference = self.precomputed[index.to(self.precomputed.device)]
-        else:
-            reference = self.reference.pair_log_probs(model, batch)
+        reference = self.reference.training_log_probs(model, batch, batch.pop("index"))
         policy, counts = pair_log_probs(model, batch)
         losses, rewards = dpo_loss(policy, reference, counts, self.args.loss_type, self.args.beta,
                                    self.args.label_smoothing)
@@ -164,8 +153,7 @@ class DPOTask:
         policy, reference, counts, replies = outputs
         metrics = pair_metrics(policy, reference, counts, self.args.loss_type, self.args.beta,
                                self.args.label_smoothing)
-        self.generations = [self.tokenizer.decode([t for t in row if t != IGNORE], skip_special_tokens=True)
-                            for row in replies[:len(self.prompts)].tolist()]
+        self.generations = decode_replies(replies, len(self.prompts), self.tokenizer)
         if self.teams and self.generations:
             metrics["routing_accuracy"] = routing_accuracy(self.generations, self.teams)
         return metrics

@@ -24,6 +24,7 @@ from finetune.causal_lm import (
     ChatModelArguments,
     chat_model_card,
     check_output_layer,
+    decode_replies,
     greedy_replies,
     label_log_probs,
     language_model_collators,
@@ -31,7 +32,7 @@ from finetune.causal_lm import (
     save_chat_model,
     summed_log_probs,
 )
-from finetune.chat import IGNORE, tokenize_conversations, write_generations
+from finetune.chat import tokenize_conversations, write_generations
 from finetune.config import arg, parse_config
 from finetune.data import load_splits
 from finetune.default_chat import make_support_conversations, routing_accuracy
@@ -112,8 +113,7 @@ class SFTTask:
     def metrics(self, outputs):
         losses, units, replies = outputs
         loss = (losses.sum() / units.sum()).item()
-        self.generations = [self.tokenizer.decode([t for t in row if t != IGNORE], skip_special_tokens=True)
-                            for row in replies[:len(self.prompts)].tolist()]
+        self.generations = decode_replies(replies, len(self.prompts), self.tokenizer)
         metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50))}
         if self.teams and self.generations:
             metrics["routing_accuracy"] = routing_accuracy(self.generations, self.teams)
