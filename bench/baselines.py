@@ -1,9 +1,11 @@
-"""What the recipes are measured against: hand-written PyTorch loops, transformers' Trainer and TRL's SFTTrainer.
+"""What the recipes are measured against: hand-written PyTorch loops, transformers' Trainer and TRL's SFTTrainer
+and DPOTrainer.
 
     python bench/baselines.py KIND DATA_FILE OUT_DIR [--seed N] [--per_device_train_batch_size N] [--eval_file F]
     (KIND: loop_random, loop_same_optimizer, trainer_default, trainer_grouped, trainer_ner, loop_sft,
-    trl_padding_free, trl_default or trl_memory; the batch size is the chat baselines' only, the chat recipe's by
-    default; trl_memory evaluates on --eval_file)
+    trl_padding_free, trl_default, trl_memory, loop_dpo, trl_dpo, trl_dpo_default or trl_dpo_memory; the batch
+    size is the chat and preference baselines' only, their recipe's by default; the memory kinds evaluate on
+    --eval_file)
 
 The classification baselines train the same model on the same CSV for one epoch with the recipe's defaults:
 per-device batch 32, learning rate 1e-4, sequences cut at 128 tokens, each batch padded to its own longest row.
@@ -18,6 +20,8 @@ per-device batch 32, learning rate 1e-4, sequences cut at 128 tokens, each batch
 - ``trainer_grouped``: the same with Trainer's length-grouped sampler.
 - ``loop_sft``: the chat recipe's own batches (its tokenization, sampler and collator) in a hand-written loop
   with its optimizer, the loss from the model's ``labels``.
+- ``loop_dpo``: the same for the preference recipe: its pairs, batches, LoRA model and optimizer, and DPO's loss
+  written out in the loop (the reference is the model with its adapters switched off).
 
 Run under ``bench/probe.py``'s hooks (installed here), like the recipe.
 """
@@ -61,16 +65,18 @@ MAX_LENGTH, SEED = RECIPE.max_seq_length, RECIPE.seed
 
 
 class CountingCollator:
-    """Builds batches with ``collate`` and tells the probe what each batch held."""
+    """Builds batches with ``collate`` and tells the probe what each batch held: ``rows_per_example`` is 2 for
+    preference pairs (every chosen row, then every rejected row)."""
 
-    def __init__(self, collate):
+    def __init__(self, collate, rows_per_example: int = 1):
         self.collate = collate
+        self.rows_per_example = rows_per_example
         self.counting = True
 
     def __call__(self, features):
         batch = self.collate(features)
         if self.counting:
-            probe.record_batch(batch, len(features))
+            probe.record_batch(batch, len(features), self.rows_per_example)
         return batch
 
 
@@ -88,7 +94,7 @@ class EvaluationIsNotTraining(TrainerCallback):
 
 
 def hand_written_loop(model, train, collate, batch_sampler, device, bf16, recipe_optimizer: bool,
-                      learning_rate: float = LEARNING_RATE) -> None:
+                      learning_rate: float = LEARNING_RATE, loss_of=lambda model, batch: model(**batch).loss) -> None:
     model.to(device).train()
     loader = torch.utils.data.DataLoader(train, batch_sampler=batch_sampler, collate_fn=collate)
     if recipe_optimizer:
@@ -100,7 +106,7 @@ def hand_written_loop(model, train, collate, batch_sampler, device, bf16, recipe
     for batch in loader:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = model(**batch).loss
+            loss = loss_of(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -108,33 +114,71 @@ def hand_written_loop(model, train, collate, batch_sampler, device, bf16, recipe
         optimizer.zero_grad()
 
 
-def sft_recipe():
-    """``recipes/sft.py`` as a module: its defaults and its task."""
+def recipe_module(name: str):
+    """``recipes/NAME.py`` as a module: its defaults and its task."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("sft_recipe", Path(__file__).parent.parent / "recipes" / "sft.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_recipe",
+                                                  Path(__file__).parent.parent / "recipes" / f"{name}.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     return recipe
 
 
+def recipe_setup(recipe, arguments, task_class, flags: list[str], batch_size: int | None):
+    """``(task, setup, shared options)``: the recipe's task set up with ``flags`` as its run sets it up (tokenized
+    data, model, collator)."""
+    from finetune.config import parse_config
+
+    if batch_size:
+        flags = [*flags, "--per_device_train_batch_size", str(batch_size)]
+    cfg, args = parse_config(arguments, flags, defaults=recipe.DEFAULTS)
+    task = task_class(args)
+    tokenizer = task.load_tokenizer(cfg)
+    return task, task.setup(cfg, tokenizer, load_or_build(task, cfg, tokenizer)), cfg
+
+
+def recipe_batches(setup, cfg) -> GlobalBatchSampler:
+    """The batches the recipe's sampler plans for one process: length-grouped, with the recipe's seed."""
+    return GlobalBatchSampler(setup.train_set.lengths, cfg.per_device_train_batch_size, 1, seed=SEED,
+                              group_by_length=True)
+
+
 def loop_sft(train_jsonl: str, batch_size: int | None, device, bf16) -> None:
     """The chat recipe's tokenized conversations, length-grouped batches, padding collator and LoRA model, trained
     by a hand-written loop with the recipe's optimizer and learning rate."""
-    from finetune.config import parse_config
+    recipe = recipe_module("sft")
+    _, setup, cfg = recipe_setup(recipe, recipe.SFTArguments, recipe.SFTTask,
+                                 ["--train_file", train_jsonl, "--validation_file", train_jsonl, "--no_packing"],
+                                 batch_size)
+    hand_written_loop(setup.model, setup.train_set, CountingCollator(setup.collate), recipe_batches(setup, cfg),
+                      device, bf16, recipe_optimizer=True, learning_rate=cfg.learning_rate)
 
-    recipe = sft_recipe()
-    flags = ["--train_file", train_jsonl, "--validation_file", train_jsonl, "--no_packing"]
-    if batch_size:
-        flags += ["--per_device_train_batch_size", str(batch_size)]
-    cfg, args = parse_config(recipe.SFTArguments, flags, defaults=recipe.DEFAULTS)
-    task = recipe.SFTTask(args)
-    tokenizer = task.load_tokenizer(cfg)
-    setup = task.setup(cfg, tokenizer, load_or_build(task, cfg, tokenizer))
-    batches = GlobalBatchSampler(setup.train_set.lengths, cfg.per_device_train_batch_size, 1, seed=SEED,
-                                 group_by_length=True)
-    hand_written_loop(setup.model, setup.train_set, CountingCollator(setup.collate), batches, device, bf16,
-                      recipe_optimizer=True, learning_rate=cfg.learning_rate)
+
+def loop_dpo(train_jsonl: str, batch_size: int | None, device, bf16) -> None:
+    """The preference recipe's tokenized pairs, length-grouped batches, pair collator and LoRA model (dropout off),
+    trained by a hand-written loop with the recipe's optimizer and learning rate on DPO's loss: the replies'
+    log-probabilities summed by the recipe's library (``pair_log_probs``), the reference's with the adapters
+    switched off, the mean over the batch's pairs of -log sigmoid(beta x (policy - reference) margin)."""
+    from finetune.preference import pair_log_probs
+
+    recipe = recipe_module("dpo")
+    task, setup, cfg = recipe_setup(recipe, recipe.DPOArguments, recipe.DPOTask,
+                                    ["--train_file", train_jsonl, "--validation_file", train_jsonl, "--lora_dropout",
+                                     "0"], batch_size)
+    beta = task.args.beta
+
+    def dpo_loss(model, batch):
+        del batch["index"]
+        with torch.no_grad(), model.disable_adapter():
+            reference, _ = pair_log_probs(model, dict(batch))
+        policy, _ = pair_log_probs(model, batch)
+        ratios = policy - reference
+        return -torch.nn.functional.logsigmoid(beta * (ratios[:, 0] - ratios[:, 1])).mean()
+
+    hand_written_loop(setup.model, setup.train_set, CountingCollator(setup.collate, rows_per_example=2),
+                      recipe_batches(setup, cfg), device, bf16, recipe_optimizer=True,
+                      learning_rate=cfg.learning_rate, loss_of=dpo_loss)
 
 
 def trainer_ner(output_dir: str, seed: int) -> None:
@@ -186,7 +230,7 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
 
     from finetune.models import default_chat_model_path
 
-    recipe = sft_recipe()
+    recipe = recipe_module("sft")
     defaults, lora_defaults = recipe.DEFAULTS, recipe.SFTArguments()
 
     def prompt_and_completion(path: str) -> datasets.Dataset:
@@ -216,11 +260,54 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
     trainer.train()
 
 
+def trl_dpo(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None, eval_jsonl: str | None) -> None:
+    """TRL's DPOTrainer on the preference recipe's work: the same model, pairs (prompt, chosen and rejected
+    messages), LoRA settings with dropout off, batch, learning rate, weight decay, beta, length limit and logging
+    interval, one epoch, a live reference (the adapters switched off), no evaluation, float32 on a CPU (where TRL's
+    default would be bf16). ``trl_dpo`` turns activation checkpointing off as the recipe runs; ``trl_dpo_default``
+    keeps TRL's defaults otherwise (activation checkpointing on). ``trl_dpo_memory`` is the recipe's memory
+    comparison: rows cut at 512 tokens, activation checkpointing off, and one evaluation of ``eval_jsonl`` at the
+    epoch's end in batches as large as the training batch, as the recipe's ``--per_device_eval_batch_size``."""
+    from peft import LoraConfig
+    from trl import DPOConfig, DPOTrainer
+
+    from finetune.models import default_chat_model_path
+
+    recipe = recipe_module("dpo")
+    defaults, options = recipe.DEFAULTS, recipe.DPOArguments()
+    batch_size = batch_size or defaults["per_device_train_batch_size"]
+    settings = {"max_length": defaults["max_seq_length"]}
+    if kind == "trl_dpo":
+        settings["gradient_checkpointing"] = False
+    if kind == "trl_dpo_memory":
+        settings = {"max_length": 512, "gradient_checkpointing": False,
+                    "per_device_eval_batch_size": batch_size, "eval_strategy": "epoch"}
+    args = DPOConfig(output_dir=output_dir, per_device_train_batch_size=batch_size,
+                     learning_rate=defaults["learning_rate"], weight_decay=RECIPE.weight_decay, num_train_epochs=1,
+                     seed=SEED, bf16=torch.cuda.is_available(), save_strategy="no", report_to="none",
+                     logging_steps=RECIPE.logging_steps, beta=options.beta, precompute_ref_log_probs=False,
+                     **settings)
+    lora = LoraConfig(r=options.lora_r, lora_alpha=options.lora_alpha, lora_dropout=0.0,
+                      target_modules=options.lora_target_modules, task_type="CAUSAL_LM")
+
+    def pairs(path: str) -> datasets.Dataset:
+        return datasets.load_dataset("json", data_files=path, split="train")
+
+    trainer = DPOTrainer(model=default_chat_model_path(), args=args, train_dataset=pairs(train_jsonl),
+                         eval_dataset=pairs(eval_jsonl) if eval_jsonl else None, peft_config=lora)
+    trainer.data_collator = CountingCollator(trainer.data_collator, rows_per_example=2)
+    trainer.add_callback(EvaluationIsNotTraining(trainer.data_collator))
+    trainer.train()
+
+
 def main(kind: str, train_csv: str, output_dir: str, seed: int, chat_batch_size: int | None,
          eval_file: str | None) -> None:
     probe.install()
     if kind == "trainer_ner":
         trainer_ner(output_dir, seed)
+        return
+    if kind.startswith("trl_dpo"):
+        trl_dpo(kind, train_csv, output_dir, chat_batch_size, eval_file)
         return
     if kind.startswith("trl_"):
         trl_sft(kind, train_csv, output_dir, chat_batch_size, eval_file)
@@ -228,8 +315,8 @@ def main(kind: str, train_csv: str, output_dir: str, seed: int, chat_batch_size:
     torch.manual_seed(SEED)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = device.type == "cuda"
-    if kind == "loop_sft":
-        loop_sft(train_csv, chat_batch_size, device, bf16)
+    if kind in ("loop_sft", "loop_dpo"):
+        (loop_sft if kind == "loop_sft" else loop_dpo)(train_csv, chat_batch_size, device, bf16)
         return
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     raw = datasets.load_dataset("csv", data_files=train_csv, split="train")

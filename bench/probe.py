@@ -8,7 +8,8 @@ The recipe runs unchanged; the hooks only observe. Every process writes ``rank<R
 
 - the wall-clock time of every optimizer step (a global optimizer post-step hook; on CUDA, events
   recorded on the stream, so no synchronisation is added to the loop),
-- the examples, real tokens and padded tokens of every training batch, and when it was built, in order,
+- the examples (a preference pair is one), real tokens and padded tokens of every training batch, and when it
+  was built, in order,
 - how many gradient all-reduces DDP launched by the end of each optimizer step (a counting comm hook),
 - the process's peak resident memory, and on CUDA the peak of memory allocated on the GPU,
 - the bytes of the weights that train, their gradients and the optimizer's state that this process holds at its
@@ -38,13 +39,16 @@ _all_reduces_at_step: list[int] = []
 _state_bytes: dict[str, int] = {}
 
 
-def record_batch(batch: dict, num_real: int) -> None:
-    """Count one training batch whose first ``num_real`` rows are real examples (the rest fillers).
+def record_batch(batch: dict, num_real: int, rows_per_example: int = 1) -> None:
+    """Count one training batch whose first ``num_real`` examples are real (the rest fillers).
 
-    A batch without an attention mask is packed (padding-free): every token in it is real."""
+    An example is ``rows_per_example`` rows, each in its own block of the batch (a preference pair: every chosen
+    row, then every rejected row). A batch without an attention mask is packed (padding-free): every token in it
+    is real."""
     if "attention_mask" in batch:
         mask = batch["attention_mask"]
-        _batches.append((num_real, int(mask[:num_real].sum()), int(mask.numel()), time.time()))
+        real = mask.view(rows_per_example, -1, mask.shape[-1])[:, :num_real]
+        _batches.append((num_real, int(real.sum()), int(mask.numel()), time.time()))
     else:
         _batches.append((num_real, int(batch["input_ids"].numel()), int(batch["input_ids"].numel()), time.time()))
 
@@ -129,6 +133,7 @@ def _count_recipe_batches() -> None:
     )
 
     from finetune.batching import PlannedBatch, TokenizedDataset
+    from finetune.preference import PairCollator
 
     planned_real: list[int | None] = [None]
     original_fetch = TokenizedDataset.__getitems__
@@ -137,11 +142,11 @@ def _count_recipe_batches() -> None:
         planned_real[0] = indices.num_real if isinstance(indices, PlannedBatch) else None
         return original_fetch(self, indices)
 
-    def counting(original_call):
+    def counting(original_call, rows_per_example: int = 1):
         def call_and_count(self, features):
             batch = original_call(self, features)
             if planned_real[0] is not None:
-                record_batch(batch, planned_real[0])
+                record_batch(batch, planned_real[0], rows_per_example)
             return batch
         return call_and_count
 
@@ -149,6 +154,7 @@ def _count_recipe_batches() -> None:
     for collator in (DataCollatorWithPadding, DataCollatorForTokenClassification, DataCollatorForSeq2Seq,
                      DataCollatorWithFlattening):
         collator.__call__ = counting(collator.__call__)
+    PairCollator.__call__ = counting(PairCollator.__call__, rows_per_example=2)
 
 
 if __name__ == "__main__":

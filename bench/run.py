@@ -4,9 +4,11 @@
     python bench/run.py --suite hub_push         # ~5 minutes -> bench/results/hub-push.*
     python bench/run.py --suite token_classify   # ~9 minutes -> bench/results/token-classify.*
     python bench/run.py --suite sft              # ~16 minutes -> bench/results/sft.*  (needs pip install -e ".[bench]")
+    python bench/run.py --suite dpo              # ~35 minutes -> bench/results/dpo.*  (needs pip install -e ".[bench]")
 
 Each suite writes a JSON file with every run's raw figures, a Markdown table and a PNG chart of throughput per
-configuration (median, min-max bars).
+configuration (median, min-max bars). ``latest.json`` also carries every other suite's ratios, read from their
+result files whenever a suite runs (``merged_ratios`` names the file each came from).
 
 The classify suite trains the default MiniLM for one epoch on the same slice of the embedded support tickets
 (mostly short messages with a long tail), with per-device batch 32, learning rate 1e-4 and sequences cut at
@@ -23,6 +25,11 @@ layers and output head plus the adapters, per real token. Embedding lookups, att
 grow with padded length) and element-wise work are not counted. The machine's matmul rate is 2n^3 / t for an
 n = 2048 float32 product (bf16 and n = 8192 on a GPU), best of 6, measured in every repeat; on a GPU listed in
 ``GPU_BF16_PEAK`` the model FLOP utilisation divides by its data-sheet bf16 peak instead.
+
+The dpo suite trains the preference recipe on the first 32 embedded pairs for one epoch (two for its precomputed
+and live reference pair), batch 8, against TRL's DPOTrainer and a hand-written loop over the recipe's batches, all
+with the recipe's LoRA settings, learning rate, beta and length limit, LoRA dropout off and a live reference (the
+adapters switched off) unless named; its ratios are of pairs per second, the per-token ones beside them.
 
 On a CUDA machine the same command uses the GPU (bf16 autocast, NCCL for the 2-process configurations
 when there are 2 GPUs) and writes ``*-cuda.{json,md,png}``.
@@ -72,9 +79,13 @@ class Config:
     recipe_flags: list[str] = field(default_factory=list)
     recipe: str = "classify"
     """classify runs on the CSV slice of support tickets; token_classify on its own embedded default."""
+    epochs: int = 1
+    """Passes over the training data (the recipes; the baselines train one)."""
+    batch_size: int | None = None
+    """The memory comparisons' batch per device on both sides; None: the suite's (its recipe's by default)."""
     long_chats: bool = False
-    """sft only: trains and evaluates on chats cut to ``LONG_CHAT_TOKENS`` (the memory comparison), not the
-    embedded conversations."""
+    """sft and dpo: trains and evaluates on chats (or pairs) cut to ``LONG_CHAT_TOKENS`` (the memory comparison),
+    not the embedded conversations (or pairs)."""
 
 
 TRAINING = [
@@ -159,6 +170,43 @@ SFT_MEMORY = [
 ]
 # peak memory ratio: (numerator configuration, denominator configuration, target): at most the target
 SFT_MEMORY_RATIOS = {"sft_peak_memory_vs_trl": ("sft_memory", "trl_memory", 1.0)}
+DPO_FLAGS = ["--eval_generate", "0", "--lora_dropout", "0"]
+"""The recipe's defaults but LoRA's dropout: dropout is off on every side of this suite (TRL turns the model's own
+off by default; the recipe's model has none)."""
+DPO = [
+    Config("dpo_recipe", "dpo.py, accelerate launch, live reference (the default)", "accelerate", recipe="dpo",
+           recipe_flags=DPO_FLAGS),
+    Config("loop_dpo", "hand-written loop over the recipe's batches and LoRA model, its optimizer (fused AdamW), "
+           "DPO's loss with a live reference", "python", recipe="dpo"),
+    Config("trl_dpo", "TRL DPOTrainer, live reference, activation checkpointing off", "python", recipe="dpo"),
+    Config("trl_dpo_default", "TRL DPOTrainer, its defaults (live reference, activation checkpointing on)",
+           "python", recipe="dpo"),
+    Config("dpo_live_2_epochs", "dpo.py, accelerate launch, live reference, 2 epochs", "accelerate", recipe="dpo",
+           epochs=2, recipe_flags=DPO_FLAGS),
+    Config("dpo_precomputed_2_epochs", "dpo.py, accelerate launch, --precompute_ref_log_probs, 2 epochs",
+           "accelerate", recipe="dpo", epochs=2, recipe_flags=[*DPO_FLAGS, "--precompute_ref_log_probs"]),
+]
+DPO_RATIOS = {  # ratios of pairs per second; the 2-epoch pair includes the evaluation after the first epoch
+    "dpo_vs_trl": ("dpo_recipe", "trl_dpo", 1.0),
+    "dpo_vs_trl_default": ("dpo_recipe", "trl_dpo_default", 1.5),
+    "dpo_precomputed_vs_live": ("dpo_precomputed_2_epochs", "dpo_live_2_epochs", 1.2),
+    "dpo_vs_same_optimizer_loop": ("dpo_recipe", "loop_dpo", 0.97),
+}
+LONG_PAIRS = 2
+"""The DPO memory comparison: one training step at batch 2 pairs (4 rows of ``LONG_CHAT_TOKENS``), then one
+evaluation batch of 2 pairs. Larger batches cost minutes a repeat here (one step of 4 pairs takes TRL about 100 s)
+and, at 8 pairs, 22 GB resident for TRL, near this machine's 24."""
+DPO_MEMORY = [
+    Config("dpo_memory", f"dpo.py, accelerate launch, live reference, batch {LONG_PAIRS} pairs x 2 rows x "
+           f"{LONG_CHAT_TOKENS} tokens, evaluation batch {LONG_PAIRS} pairs", "accelerate", recipe="dpo",
+           long_chats=True, batch_size=LONG_PAIRS,
+           recipe_flags=[*DPO_FLAGS, "--max_seq_length", str(LONG_CHAT_TOKENS),
+                         "--per_device_eval_batch_size", str(LONG_PAIRS)]),
+    Config("trl_dpo_memory", f"TRL DPOTrainer, live reference, activation checkpointing off, batch {LONG_PAIRS} "
+           f"pairs x 2 rows x {LONG_CHAT_TOKENS} tokens, evaluation batch {LONG_PAIRS} pairs", "python",
+           recipe="dpo", long_chats=True, batch_size=LONG_PAIRS),
+]
+DPO_MEMORY_RATIOS = {"dpo_peak_memory_vs_trl": ("dpo_memory", "trl_dpo_memory", 1.0)}
 SEEDED_SUITES = {"token_classify"}
 """Suites whose repeats each train with another seed on both sides (42, 43, ...): their F1 is compared, and one
 seed's F1 varies more than the tolerance (0.973 to 0.984 for the tagging recipe's seeds 42 to 46)."""
@@ -169,8 +217,10 @@ SUITES = {  # name: (configurations, ratios, figures, differences, results file,
                        "samples_per_second"),
     # Conversations differ in length and the two sides batch them in different orders: tokens per second.
     "sft": (SFT + SFT_MEMORY, SFT_RATIOS, SFT_FIGURES, {}, "sft", "tokens_per_second"),
+    # Both sides train on the same pairs, each pair once an epoch: pairs per second.
+    "dpo": (DPO + DPO_MEMORY, DPO_RATIOS, {}, {}, "dpo", "samples_per_second"),
 }
-MEMORY_RATIOS = {"sft": SFT_MEMORY_RATIOS}
+MEMORY_RATIOS = {"sft": SFT_MEMORY_RATIOS, "dpo": DPO_MEMORY_RATIOS}
 """Per suite: peak memory per process (resident on a CPU, allocated on a GPU), the most of any process."""
 
 
@@ -210,24 +260,56 @@ def write_chat_data(folder: Path, train_examples: int, eval_examples: int) -> tu
     return paths[0], paths[1]
 
 
-def write_long_chat_data(folder: Path, train_examples: int, eval_examples: int) -> tuple[Path, Path]:
-    """Chats longer than ``LONG_CHAT_TOKENS`` (518 to 612 tokens) as jsonl files both sides read: the system
-    turn, then 14 of the embedded conversations' tickets as one user turn and their replies as one reply."""
+def write_pair_data(folder: Path, train_examples: int, eval_examples: int) -> tuple[Path, Path]:
+    """The preference recipe's embedded pairs as jsonl files both sides read (prompt, chosen and rejected message
+    lists): the first ``train_examples`` of its 120 training pairs, repeated in order as often as it takes, and the
+    first ``eval_examples`` validation pairs."""
+    from finetune.default_preferences import make_preference_pairs
+
+    pairs = make_preference_pairs()
+    paths = []
+    for split, count in (("train", train_examples), ("validation", eval_examples)):
+        rows = pairs[split].select_columns(["prompt", "chosen", "rejected"]).to_list()
+        path = folder / f"{split}.jsonl"
+        path.write_text("".join(json.dumps(rows[i % len(rows)]) + "\n" for i in range(count)))
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def long_chats(first: int, count: int) -> list[list[dict]]:
+    """Chats longer than ``LONG_CHAT_TOKENS`` (518 to 612 tokens, prompts of 301 to 354): the system turn, then 14
+    of the embedded conversations' tickets as one user turn and their replies as one reply; the ``first`` of them
+    onwards."""
     from finetune.default_chat import make_support_conversations
 
     conversations = make_support_conversations()["train"]["messages"]
+    chats = []
+    for chat in range(first, first + count):
+        parts = [conversations[(chat * 14 + i) % len(conversations)] for i in range(14)]
+        chats.append([parts[0][0], *({"role": role, "content": "\n\n".join(
+            turn["content"] for part in parts for turn in part if turn["role"] == role)}
+            for role in ("user", "assistant"))])
+    return chats
+
+
+def write_long_data(folder: Path, train_examples: int, eval_examples: int, as_pairs: bool) -> tuple[Path, Path]:
+    """``long_chats`` as jsonl files both sides read: conversations (``messages``), or ``as_pairs`` preference
+    pairs whose chosen reply is the chat's own and whose rejected reply is the next chat's, so that both rows of
+    a pair are cut to ``LONG_CHAT_TOKENS``."""
     paths = []
     for split, count, first in (("train", train_examples, 0), ("validation", eval_examples, train_examples)):
-        rows = []
-        for chat in range(first, first + count):
-            parts = [conversations[(chat * 14 + i) % len(conversations)] for i in range(14)]
-            rows.append({"messages": [parts[0][0], *({"role": role, "content": "\n\n".join(
-                turn["content"] for part in parts for turn in part if turn["role"] == role)}
-                for role in ("user", "assistant"))]})
+        chats = long_chats(first, count + 1)
+        rows = ([{"prompt": chat[:2], "chosen": chat[2:], "rejected": following[2:]}
+                 for chat, following in zip(chats, chats[1:], strict=False)] if as_pairs
+                else [{"messages": chat} for chat in chats[:count]])
         path = folder / f"long-{split}.jsonl"
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         paths.append(path)
     return paths[0], paths[1]
+
+
+CHAT_DATA = {"sft": write_chat_data, "dpo": write_pair_data}
+"""The suites that train a chat model, and what writes their data."""
 
 
 def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, gpus: int, seed: int | None,
@@ -239,8 +321,9 @@ def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, g
         evaluation = ["--eval_file", str(eval_csv)] if config.long_chats else []
         return [sys.executable, str(BENCH / "baselines.py"), config.name, str(train_csv), str(output_dir), *shared,
                 *evaluation]
-    if config.recipe in ("classify", "sft"):
-        recipe_flags = ["--train_file", str(train_csv), "--validation_file", str(eval_csv), "--num_train_epochs", "1"]
+    if config.recipe in ("classify", "sft", "dpo"):
+        recipe_flags = ["--train_file", str(train_csv), "--validation_file", str(eval_csv), "--num_train_epochs",
+                        str(config.epochs)]
     else:
         recipe_flags = []  # the recipe's embedded default, as a user runs it
     recipe_flags += shared
@@ -335,24 +418,26 @@ def training_flops(suite: str) -> dict:
 
     A weight that trains costs 6 FLOPs per use (2 forward, 2 for the input's gradient, 2 for its own); a frozen
     one 4 (no gradient of its own). Classification: the encoder per token, pooler and classifier per example.
-    Chat with LoRA: every linear layer and the output head frozen, per token, plus the adapters trained.
+    Chat with LoRA: every linear layer and the output head frozen, per token, plus the adapters trained. DPO adds
+    the reference's forward pass (2 per frozen weight) at every step, as a live reference runs it; a precomputed
+    reference runs it once per pair, so over 2 epochs its figure counts one reference pass too many.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    if suite == "sft":
-        from baselines import sft_recipe
-
+    if suite in ("sft", "dpo"):
+        from finetune.causal_lm import ChatModelArguments
         from finetune.lora import add_lora
         from finetune.models import default_chat_model_path
 
-        sft = sft_recipe().SFTArguments()
+        lora = ChatModelArguments()  # every chat recipe's LoRA options
         with torch.device("meta"):
             model = add_lora(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(default_chat_model_path())),
-                             sft.lora_r, sft.lora_alpha, sft.lora_dropout, sft.lora_target_modules)
+                             lora.lora_r, lora.lora_alpha, lora.lora_dropout, lora.lora_target_modules)
         linear = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         frozen = sum(m.weight.numel() for m in linear if not m.weight.requires_grad)
         trained = sum(m.weight.numel() for m in linear if m.weight.requires_grad)
-        return {"per_token": 4 * frozen + 6 * trained, "per_example": 0}
+        reference = 2 * frozen if suite == "dpo" else 0
+        return {"per_token": 4 * frozen + 6 * trained + reference, "per_example": 0}
     config = AutoConfig.from_pretrained(default_model_path(), num_labels=4)
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config)
@@ -398,27 +483,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="Interleaved runs of every configuration.")
     parser.add_argument("--train_examples", type=int, default=None,
-                        help="Training examples (one epoch); default 960, and 80 conversations for the sft suite "
-                             "(beyond its 160, repeated).")
+                        help="Training examples (an epoch); default 960, 80 conversations for the sft suite (beyond "
+                             "its 160, repeated) and 32 pairs for the dpo suite (beyond its 120, repeated).")
     parser.add_argument("--per_device_train_batch_size", type=int, default=None,
-                        help="The sft suite's batch on every side; default the chat recipe's (8). A GPU needs "
+                        help="The sft and dpo suites' batch on every side; default the recipes' (8). A GPU needs "
                              "far more to be busy, and --train_examples to match.")
     parser.add_argument("--results_dir", default=str(BENCH / "results"), help="Where the result files go.")
     parser.add_argument("--suite", choices=SUITES, default="training",
                         help="training: the comparisons above; hub_push: checkpoints pushed to a loopback Hub "
                              "against the same checkpoints not pushed (about 5 minutes); token_classify: the "
                              "tagging recipe against Trainer run the run_ner.py way, speed and F1; sft: the chat "
-                             "recipe, packed and padded, against TRL's SFTTrainer.")
+                             "recipe, packed and padded, against TRL's SFTTrainer; dpo: the preference recipe "
+                             "against TRL's DPOTrainer.")
     args = parser.parse_args()
     if args.repeats < 1:
         sys.exit("error: --repeats must be at least 1")
-    if args.per_device_train_batch_size and args.suite != "sft":
-        sys.exit("error: --per_device_train_batch_size is the sft suite's; the others use the recipes' batch")
+    if args.per_device_train_batch_size and args.suite not in CHAT_DATA:
+        sys.exit("error: --per_device_train_batch_size is the sft and dpo suites'; the others use the recipes' batch")
 
     gpus = torch.cuda.device_count()
     device = torch.device("cuda" if gpus else "cpu")
     configs, ratios, figures, differences, results_name, throughput = SUITES[args.suite]
-    args.train_examples = args.train_examples or (80 if args.suite == "sft" else 960)
+    args.train_examples = args.train_examples or {"sft": 80, "dpo": 32}.get(args.suite, 960)
     skipped = [c.name for c in configs if gpus == 1 and c.processes > 1]
     configs = [c for c in configs if c.name not in skipped]
     if gpus:
@@ -434,9 +520,12 @@ def main() -> None:
     matmul: list[float] = []
     with tempfile.TemporaryDirectory(prefix="finetune-bench-") as scratch_name:
         scratch = Path(scratch_name)
-        data = (write_chat_data(scratch, args.train_examples, 8) if args.suite == "sft"
-                else write_data(scratch, args.train_examples, 64))
-        long_chats = write_long_chat_data(scratch, LONG_CHAT_TRAIN, LONG_CHAT_EVAL) if args.suite == "sft" else None
+        if args.suite in CHAT_DATA:
+            data = CHAT_DATA[args.suite](scratch, args.train_examples, 8)
+            long_data = (write_long_data(scratch, LONG_PAIRS, LONG_PAIRS, as_pairs=True) if args.suite == "dpo"
+                         else write_long_data(scratch, LONG_CHAT_TRAIN, LONG_CHAT_EVAL, as_pairs=False))
+        else:
+            data, long_data = write_data(scratch, args.train_examples, 64), None
         hub = None
         if any("--push_to_hub" in c.recipe_flags for c in configs):
             urls = multiprocessing.get_context("spawn").Queue()
@@ -450,8 +539,8 @@ def main() -> None:
                 order = configs[repeat % len(configs):] + configs[:repeat % len(configs)]
                 seed = 42 + repeat if args.suite in SEEDED_SUITES else None
                 for config in order:
-                    run = run_config(config, long_chats if config.long_chats else data, scratch, env, gpus, seed,
-                                     None if config.long_chats else args.per_device_train_batch_size)
+                    run = run_config(config, long_data if config.long_chats else data, scratch, env, gpus, seed,
+                                     config.batch_size if config.long_chats else args.per_device_train_batch_size)
                     runs[config.name].append(summarize(config, run, flops, matmul[-1], peak))
                     latest = runs[config.name][-1]
                     print(f"[{repeat + 1}/{args.repeats}] {config.name:<20} {latest['samples_per_second']:7.1f} "
@@ -470,7 +559,38 @@ def main() -> None:
     (out / f"{results_name}.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / f"{results_name}.md").write_text(markdown(results))
     plot(results, out / f"{results_name}.png")
+    merge_into_latest(out, "-cuda" if gpus else "")
     print(markdown(results))
+
+
+def merge_into_latest(out: Path, suffix: str) -> None:
+    """Every suite's ratios also in ``latest.json`` (the training suite's file), read from each suite's result
+    file in ``out``: its ratios, spreads, per-sample and per-token ratios and targets under their own names, and
+    ``merged_ratios`` saying which suite and file each came from. Rebuilt whenever a suite runs, so a training run
+    keeps the other suites' ratios; nothing to merge into before the training suite has run."""
+    latest_path = out / f"latest{suffix}.json"
+    if not latest_path.is_file():
+        return
+    latest = json.loads(latest_path.read_text())
+    sections = ("ratios", "ratio_spread", "ratio_per_sample_and_per_token", "targets")
+    for name in latest.pop("merged_ratios", {}):
+        for section in sections:
+            latest[section].pop(name, None)
+    merged = {}
+    for suite, (*_, results_name, _) in SUITES.items():
+        path = out / f"{results_name}{suffix}.json"
+        if results_name == "latest" or not path.is_file():
+            continue
+        results = json.loads(path.read_text())
+        for name in results["ratios"]:
+            if name in latest["ratios"]:
+                sys.exit(f"error: the {suite} suite's ratio {name} is also another suite's; rename one")
+            for section in sections:
+                if name in results[section]:
+                    latest[section][name] = results[section][name]
+            merged[name] = {"suite": suite, "file": path.name}
+    latest["merged_ratios"] = merged
+    latest_path.write_text(json.dumps(latest, indent=2) + "\n")
 
 
 def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, flops, peak, args, device,
@@ -510,6 +630,7 @@ def collect(configs, ratio_specs, figure_specs, difference_specs, runs, matmul, 
             "processes": config.processes,
             "threads_per_process": figures[0]["threads_per_process"],
             "gradient_accumulation_steps": config.accumulation,
+            "epochs": config.epochs,
             "samples": figures[0]["samples"],
             "real_tokens": figures[0]["real_tokens"],
             **{measure: spread([f[measure] for f in figures]) for measure in (
@@ -554,7 +675,9 @@ def cell(value: dict | None, digits: int = 1) -> str:
 
 
 def markdown(results: dict) -> str:
-    data = (f"{results['train_examples']} training examples (one epoch)" if results["suite"] != "token_classify"
+    epochs = ("one epoch" if all(c.get("epochs", 1) == 1 for c in results["configs"].values())
+              else "one epoch, two where a configuration says so")
+    data = (f"{results['train_examples']} training examples ({epochs})" if results["suite"] != "token_classify"
             else "the recipe's embedded default (1,200 sentences, 3 epochs), seeds 42, 43, ... one per repeat")
     if results.get("per_device_train_batch_size"):
         data += f", batch {results['per_device_train_batch_size']} per device on every side"
