@@ -1,12 +1,14 @@
-"""The preference recipe's default run beside the base model it starts from, on the same validation pairs.
+"""The preference recipe's default run beside the base model it starts from, and the usual pipeline (the chat
+recipe's default run, then DPO from its adapter), on the same validation pairs.
 
-    python bench/dpo_default.py     # about 6 minutes on 2 CPU cores: bench/results/dpo-default.json
+    python bench/dpo_default.py     # about 15 minutes on 2 CPU cores: bench/results/dpo-default.json
 
-The base model is evaluated exactly as the recipe evaluates (its rewards are 0 by definition: it is the
-reference), with greedy replies to all 32 validation prompts for their routing accuracy; then the default run is
-launched as the README launches it, under ``bench/probe.py`` for its peak resident memory; then the model it
-trained (the base with the saved adapter folded in) replies to the same prompts. The converted model is the
-one ``HF_HOME`` holds (``bench/sft_default.py`` times the conversion).
+Each model is evaluated exactly as the recipe evaluates (the base model's rewards are 0 by definition: it is the
+reference), with greedy replies to all 32 validation prompts for their routing accuracy. The runs are launched
+as the README launches them, under ``bench/probe.py`` for their peak resident memory; the models they trained
+reply to the same prompts (a DPO run from the chat adapter is read from its ``--merge_lora`` folder: its own
+adapter applies to the base with the chat adapter folded in). The converted model is the one ``HF_HOME`` holds
+(``bench/sft_default.py`` times the conversion).
 """
 
 from __future__ import annotations
@@ -27,21 +29,29 @@ from sft_default import launch_default_run, recipe_metrics  # noqa: E402
 
 from finetune.default_preferences import NUM_EVAL  # noqa: E402
 
-ARGUMENTS = ("dpo", "DPOArguments", "DPOTask")
-REPLIES = ["--eval_generate", str(NUM_EVAL)]
+
+def metrics_of(model: str | None) -> dict:
+    """The preference recipe's evaluation of ``model`` (default: the base model), replies to every prompt."""
+    where = ["--model_name_or_path", model] if model else []
+    return recipe_metrics("dpo", "DPOArguments", "DPOTask", ["--eval_generate", str(NUM_EVAL), *where])
 
 
 def main(results_file: Path) -> None:
     torch.set_num_threads(2)
-    base = recipe_metrics(*ARGUMENTS, REPLIES)
-    print("base model:", json.dumps(base), flush=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        tuned, wall, peak = launch_default_run("dpo", Path(scratch))
-        replies = recipe_metrics(*ARGUMENTS, [*REPLIES, "--model_name_or_path", f"{scratch}/out"])
     results = {"device": f"cpu ({torch.get_num_threads()} threads)", "torch": torch.__version__,
-               "base_model": base, "default_run": tuned,
-               "default_run_routing_accuracy": replies["eval_routing_accuracy"],
-               "default_run_wall_seconds": wall, "default_run_peak_rss_mib": peak}
+               "base_model": metrics_of(None)}
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch)
+        run, wall, peak = launch_default_run("dpo", out / "dpo")
+        results["default_run"] = {**run, "routing_accuracy": metrics_of(str(out / "dpo"))["eval_routing_accuracy"],
+                                  "wall_seconds": wall, "peak_rss_mib": peak}
+        run, wall, peak = launch_default_run("sft", out / "sft")
+        results["sft_default_run"] = {"routing_accuracy": metrics_of(str(out / "sft"))["eval_routing_accuracy"],
+                                      "wall_seconds": wall}
+        run, wall, peak = launch_default_run("dpo", out / "dpo-after-sft", "--model_name_or_path", str(out / "sft"),
+                                             "--merge_lora")
+        results["dpo_after_sft"] = {**run, "routing_accuracy": metrics_of(str(out / "dpo-after-sft" / "merged"))[
+            "eval_routing_accuracy"], "wall_seconds": wall, "peak_rss_mib": peak}
     results_file.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
 

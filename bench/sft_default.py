@@ -45,19 +45,19 @@ def recipe_metrics(recipe_name: str, arguments: str, task_class: str, flags: lis
     return {f"eval_{name}": value for name, value in metrics.items()}
 
 
-def launch_default_run(recipe_name: str, scratch: Path) -> tuple[dict, float, int]:
-    """The recipe's default run launched as the README launches it, under ``bench/probe.py``: its
-    ``all_results.json`` (the output folder is ``scratch/out``), wall seconds and peak resident MiB."""
-    reports = scratch / "reports"
+def launch_default_run(recipe_name: str, output_dir: Path, *flags: str) -> tuple[dict, float, int]:
+    """The recipe launched as the README launches it (with no flags: its default run), under ``bench/probe.py``:
+    its ``all_results.json``, wall seconds and peak resident MiB."""
+    reports = output_dir.with_name(output_dir.name + "-reports")
     reports.mkdir()
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
-                    str(REPO / "bench" / "probe.py"), str(REPO / "recipes" / f"{recipe_name}.py"), "--output_dir",
-                    str(scratch / "out")], cwd=REPO, check=True,
+                    str(REPO / "bench" / "probe.py"), str(REPO / "recipes" / f"{recipe_name}.py"), *flags,
+                    "--output_dir", str(output_dir)], cwd=REPO, check=True,
                    env={**os.environ, "BENCH_REPORT_DIR": str(reports), "BENCH_LAUNCHED_AT": repr(time.time())})
     wall = time.perf_counter() - start
     peak = json.loads((reports / "rank0.json").read_text())["peak_rss_mib"]
-    return json.loads((scratch / "out" / "all_results.json").read_text()), wall, round(peak)
+    return json.loads((output_dir / "all_results.json").read_text()), wall, round(peak)
 
 
 def main(results_file: Path) -> None:
@@ -70,7 +70,7 @@ def main(results_file: Path) -> None:
         conversion = time.perf_counter() - start
         base = recipe_metrics("sft", "SFTArguments", "SFTTask", ["--no_use_lora"])
         print("base model:", json.dumps(base), flush=True)
-        tuned, wall, peak = launch_default_run("sft", Path(scratch))
+        tuned, wall, peak = launch_default_run("sft", Path(scratch, "out"))
     results = {"device": f"cpu ({torch.get_num_threads()} threads)", "torch": torch.__version__,
                "conversion_seconds": conversion, "base_model": base, "default_run": tuned,
                "default_run_wall_seconds": wall, "default_run_peak_rss_mib": peak}
