@@ -207,12 +207,27 @@ def stopped_step(output: str, sig: signal.Signals) -> int:
 
 
 @functools.cache
-def load_recipe():
-    """``recipes/classify.py`` as a module, to run its ``main`` in this process."""
-    spec = importlib.util.spec_from_file_location("classify_recipe", RECIPE)
+def load_recipe(name: str = "classify"):
+    """``recipes/NAME.py`` as a module, to run its ``main`` in this process."""
+    spec = importlib.util.spec_from_file_location(f"{name}_recipe", REPO / "recipes" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def assert_refused(main, flags: list[str], folder: Path, capsys, expected: str) -> None:
+    """``main(flags)`` exits with status 2 and one ``error:`` line holding ``expected``, no traceback, and no
+    file under ``folder`` changed."""
+    from finetune.errors import run_main
+
+    before = snapshot(folder)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(main, flags)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in err and expected in errors[0], err
+    assert snapshot(folder) == before
 
 
 def snapshot(folder: Path) -> dict[str, str]:

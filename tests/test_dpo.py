@@ -3,7 +3,6 @@ parity, exact resume with a precomputed reference, the start from a chat run's a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
@@ -12,7 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HUB_TOKEN, REPO, accelerate_cmd, read_results, run, snapshot, tokenizing, torchrun_cmd
+from conftest import (
+    HUB_TOKEN,
+    REPO,
+    accelerate_cmd,
+    assert_refused,
+    load_recipe,
+    read_results,
+    run,
+    tokenizing,
+    torchrun_cmd,
+)
 from datasets import Dataset
 from safetensors.torch import load_file
 from test_sft import make_tiny_model
@@ -20,7 +29,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.batching import TokenizedDataset
 from finetune.default_preferences import make_preference_pairs
-from finetune.errors import run_main
 from finetune.models import default_chat_model_path
 from finetune.preference import PairCollator, load_causal_lm, pair_log_probs, tokenize_pairs
 
@@ -277,13 +285,6 @@ BAD = {
 }
 
 
-def dpo_module():
-    spec = importlib.util.spec_from_file_location("dpo_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_one_error_line_and_changes_nothing(tiny_model, tmp_path, capsys, case):
     train, validation, expected, *extra_flags = BAD[case]
@@ -292,11 +293,4 @@ def test_bad_input_is_one_error_line_and_changes_nothing(tiny_model, tmp_path, c
     flags = ["--train_file", jsonl(tmp_path / "train.jsonl", train or GOOD), "--validation_file",
              jsonl(tmp_path / "validation.jsonl", validation or GOOD), "--output_dir", str(tmp_path / "out"),
              "--model_name_or_path", str(tiny_model), "--max_seq_length", "64", *extra_flags]
-    before = snapshot(tmp_path)
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(dpo_module().main, flags)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in err and expected in errors[0], err
-    assert snapshot(tmp_path) == before
+    assert_refused(load_recipe("dpo").main, flags, tmp_path, capsys, expected)

@@ -35,11 +35,7 @@ SFT = str(REPO / "recipes" / "sft.py")
 
 
 def recipe_task(path: str, task: str, arguments: str, flags: list[str]):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(Path(path).stem + "_recipe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_recipe(Path(path).stem)
     cfg, args = module.parse_config(getattr(module, arguments), flags)
     made = getattr(module, task)(args)
     return made, cfg, made.load_tokenizer(cfg)

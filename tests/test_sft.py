@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -15,6 +14,8 @@ from conftest import (
     REPO,
     accelerate_cmd,
     assert_adapter_replies_as_generated,
+    assert_refused,
+    load_recipe,
     read_results,
     run,
     snapshot,
@@ -170,13 +171,6 @@ def test_a_packed_batch_gives_each_token_the_loss_it_has_alone(tokenizer, tmp_pa
     with torch.no_grad():
         crossing = DataCollatorWithFlattening(return_position_ids=False)(rows)
         assert (token_losses(crossing) - alone).abs().max() > 0.1
-
-
-def sft_module():
-    spec = importlib.util.spec_from_file_location("sft_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_tiny(out: Path, tiny_model: Path, chat_files: list[str], *flags, launcher=None, processes=1):
@@ -338,14 +332,7 @@ def test_bad_input_is_one_error_line_and_changes_nothing(tiny_model, tmp_path, c
     flags = ["--train_file", jsonl(tmp_path / "train.jsonl", train or GOOD), "--validation_file",
              jsonl(tmp_path / "validation.jsonl", validation or GOOD), "--output_dir", str(tmp_path / "out"),
              "--model_name_or_path", str(tiny_model), "--max_seq_length", "64", *extra_flags]
-    before = snapshot(tmp_path)
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(sft_module().main, flags)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in err and expected in errors[0], err
-    assert snapshot(tmp_path) == before
+    assert_refused(load_recipe("sft").main, flags, tmp_path, capsys, expected)
 
 
 def test_a_model_without_a_chat_template_needs_one(tiny_model, tmp_path, capsys):
@@ -359,7 +346,7 @@ def test_a_model_without_a_chat_template_needs_one(tiny_model, tmp_path, capsys)
     flags = ["--train_file", jsonl(tmp_path / "t.jsonl", GOOD), "--validation_file", jsonl(tmp_path / "v.jsonl", GOOD),
              "--model_name_or_path", str(model), "--output_dir", str(tmp_path / "out"), "--max_train_steps", "1"]
     with pytest.raises(SystemExit) as exit_info:
-        run_main(sft_module().main, flags)
+        run_main(load_recipe("sft").main, flags)
     assert exit_info.value.code == 2 and "has no chat template; give one with --chat_template FILE" in \
         capsys.readouterr().err
     (tmp_path / "template.jinja").write_text(template)

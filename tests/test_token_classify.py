@@ -12,16 +12,16 @@ import torch
 from conftest import (
     REPO,
     accelerate_cmd,
+    assert_refused,
     assert_weights_match_a_parity_run,
+    load_recipe,
     read_results,
     run,
-    snapshot,
     torchrun_cmd,
 )
 from transformers import AutoModelForTokenClassification, AutoTokenizer, pipeline
 
 from finetune.default_tagged_tickets import TAG_NAMES, make_tagged_tickets
-from finetune.errors import run_main
 from finetune.models import default_model_path
 from finetune.prepared_data import load_or_build
 from finetune.tagging import IGNORE, entities, entity_scores
@@ -160,15 +160,6 @@ def test_conll_files_train_and_cut_words_are_predicted_o(tmp_path):
         assert set(prediction["predicted"][6:]) <= {"O"}, "words past --max_seq_length are predicted O"
 
 
-def recipe_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("token_classify_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def jsonl(path: Path, rows: list[dict]) -> str:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
@@ -216,21 +207,14 @@ def test_bad_input_is_one_error_line_and_changes_nothing(tmp_path, capsys, case)
     (tmp_path / "out" / "notes.txt").write_text("kept")
     train = make_train(tmp_path) if make_train else jsonl(tmp_path / "good_t.jsonl", GOOD)
     validation = make_validation(tmp_path) if make_validation else jsonl(tmp_path / "good_v.jsonl", GOOD)
-    before = snapshot(tmp_path)
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(recipe_module().main, ["--train_file", train, "--validation_file", validation, "--output_dir",
-                                        str(tmp_path / "out")])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in err
-    assert expected in errors[0]
-    assert snapshot(tmp_path) == before
+    flags = ["--train_file", train, "--validation_file", validation, "--output_dir", str(tmp_path / "out")]
+    assert_refused(load_recipe("token_classify").main, flags, tmp_path, capsys, expected)
 
 
 def test_token_level_loss_is_the_mean_over_labelled_sub_tokens():
     """The loss the task hands the loop is a sum over labelled sub-tokens (the loop divides by their count)."""
-    task = recipe_module().TokenClassifyTask(recipe_module().TokenClassifyArguments())
+    recipe = load_recipe("token_classify")
+    task = recipe.TokenClassifyTask(recipe.TokenClassifyArguments())
     logits = torch.randn(2, 5, 3)
 
     class Model:
@@ -245,7 +229,7 @@ def test_token_level_loss_is_the_mean_over_labelled_sub_tokens():
 
 @pytest.mark.parametrize("label_all_tokens", [False, True])
 def test_the_recipe_trains_first_pieces_only_unless_label_all_tokens(tagged_data, tmp_path, label_all_tokens):
-    recipe = recipe_module()
+    recipe = load_recipe("token_classify")
     flags = [*tagged_data, "--output_dir", str(tmp_path / "out")] + ["--label_all_tokens"] * label_all_tokens
     cfg, args = recipe.parse_config(recipe.TokenClassifyArguments, flags)
     task = recipe.TokenClassifyTask(args)
