@@ -313,13 +313,15 @@ def markdown(results: dict) -> str:
              "epoch plan (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for kind in ("classify", "sft"):
-        for rows, e in results[kind].items():
+        for rows, e in results.get(kind, {}).items():
             plan = max(p["plan_seconds"] for p in e["plan"])
             lines.append(f"| {kind} | {int(rows):,} | {e['cold_build_rows_per_second']:,.0f} | "
                          f"{e['peer_rows_per_second']:,.0f} | {e['build_vs_peer_seconds']:.2f} | "
                          f"{e['warm_start_minus_small_seconds']:+.1f} | {e['warm_peak_rss_mib']:,.0f} / "
                          f"{e['warm_peak_uss_mib']:,.0f} | {e['peak_rss_minus_small_mib']:+,.0f} / "
                          f"{e['peak_uss_minus_small_mib']:+,.0f} | {plan:.2f} |")
+    if "ten_million" not in results:
+        return "\n".join(lines) + "\n"
     ten = results["ten_million"]
     lines += ["", f"10M-row cache, 2 processes at once: open {max(p['open_seconds'] for p in ten):.2f} s, plan "
               f"{max(p['plan_seconds'] for p in ten):.2f} s, both {max(p['open_and_plan_seconds'] for p in ten):.2f} s "
@@ -339,15 +341,18 @@ def main() -> None:
     parser.add_argument("--classify_rows", type=int, nargs="+", default=[2000, 1_000_000])
     parser.add_argument("--chat_rows", type=int, nargs="+", default=[2000, 100_000, 200_000])
     parser.add_argument("--scratch", default=None, help="Folder for the data and caches (default: a temporary one).")
+    parser.add_argument("--chats_only", action="store_true",
+                        help="Only the chat suite, into bench/results/data-scale-chats.{json,md} (the others kept).")
     args = parser.parse_args()
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="data-scale-"))
     scratch.mkdir(parents=True, exist_ok=True)
     results = {"machine": {"cpus": os.cpu_count(), "memory_gib": psutil.virtual_memory().total / 2**30}}
-    results["classify"] = suite("classify", args.classify_rows, scratch, args)
-    results["ten_million"] = ten_million(scratch, args.classify_rows[-1])
-    results["resume_mid_epoch"] = resume_mid_epoch(scratch, args.classify_rows[-1])
+    if not args.chats_only:
+        results["classify"] = suite("classify", args.classify_rows, scratch, args)
+        results["ten_million"] = ten_million(scratch, args.classify_rows[-1])
+        results["resume_mid_epoch"] = resume_mid_epoch(scratch, args.classify_rows[-1])
     results["sft"] = suite("sft", args.chat_rows, scratch, args)
-    out = BENCH / "results" / "data-scale"
+    out = BENCH / "results" / ("data-scale-chats" if args.chats_only else "data-scale")
     out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(results))
     print(markdown(results))
