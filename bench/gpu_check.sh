@@ -55,7 +55,7 @@ if [ "$rehearse" = "--rehearse" ]; then
   step bench-sft 600 python3 bench/run.py --suite sft --repeats 1 --train_examples 24 \
     --per_device_train_batch_size 4 --results_dir "$out"
 else
-  step gpu-tests 420 python3 -m pytest -m gpu -q -x --junitxml="$out/gpu-tests.xml"
+  step gpu-tests 480 python3 -m pytest -m gpu -q -x --junitxml="$out/gpu-tests.xml"
   # One repeat each (a configuration's start-up is most of its time on a GPU). The chat suite at a batch
   # that keeps the GPU busy: 512 conversations of about 60 tokens a step, 32 steps.
   step bench-sft 240 python3 bench/run.py --suite sft --repeats 1 --train_examples 16384 \

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.gpu
 
 CLASSIFY = str(REPO / "recipes" / "classify.py")
 SFT = str(REPO / "recipes" / "sft.py")
+DPO = str(REPO / "recipes" / "dpo.py")
 CPU_DEFAULT_ACCURACY = 0.963
 """The classify default run's eval accuracy on the CPU (README, Quickstart)."""
 
@@ -198,3 +199,19 @@ def test_sft_with_lora_in_bf16_trains_packed_and_padded(tmp_path):
         assert math.isfinite(read_results(out)["eval_loss"])
         assert len((out / "eval_generations.jsonl").read_text().splitlines()) == 8
         assert (out / "adapter_model.safetensors").is_file()
+
+
+def test_dpo_with_lora_in_bf16_starts_at_ln_2_and_trains(tmp_path):
+    """The preference recipe on this GPU in bf16 with LoRA and its live reference (peft's adapter switch on the
+    unwrapped model, under autocast): the fresh adapter adds exact zeros, so the first step's loss is ln 2 and its
+    margin 0 up to the kernels' rounding; then finite losses, an evaluation of every validation pair with its
+    predictions file, and the adapter. The model is a stand-in with random weights: no accuracy is checked."""
+    out = tmp_path / "out"
+    result = run(accelerate("single_gpu.yaml", DPO, "--max_train_steps", "2", "--logging_steps", "1",
+                            "--output_dir", str(out)), timeout=600)
+    assert "process(es) on cuda" in result.stdout
+    first, second = log_history(out)
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-3) and abs(first["rewards_margin"]) < 1e-3
+    assert math.isfinite(second["loss"]) and math.isfinite(read_results(out)["eval_loss"])
+    assert len((out / "eval_predictions.jsonl").read_text().splitlines()) == 32
+    assert (out / "adapter_model.safetensors").is_file()
