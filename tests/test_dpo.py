@@ -24,7 +24,7 @@ from conftest import (
 )
 from datasets import Dataset
 from safetensors.torch import load_file
-from test_sft import make_tiny_model
+from test_sft import jsonl, make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.batching import TokenizedDataset
@@ -43,11 +43,6 @@ def tiny_model(tmp_path_factory) -> Path:
     """A random 2-layer Llama with SmolLM2's tokenizer and chat template."""
     tokenizer = AutoTokenizer.from_pretrained(default_chat_model_path())
     return make_tiny_model(tmp_path_factory.mktemp("tiny_dpo_model"), tokenizer, initializer_range=0.05)
-
-
-def jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
 
 
 @pytest.fixture(scope="session")
