@@ -4,31 +4,68 @@ from __future__ import annotations
 
 import os
 
+import torch
+from torch.utils.checkpoint import checkpoint
+
 from finetune.checkpoint import save_model
 from finetune.errors import UserError
 from finetune.fsdp import is_sharded
 
-__all__ = ["add_lora", "save_adapter"]
+__all__ = ["RecomputedDropoutLinear", "add_lora", "save_adapter"]
+
+
+class RecomputedDropoutLinear(torch.nn.Linear):
+    """LoRA's A projection of its input after dropout, with the dropout redone in the backward pass.
+
+    peft applies dropout and then A, so autograd keeps a dropped copy of every adapted layer's input and its mask
+    for the backward pass: 40% of a training step's activations at dropout 0.05 (3.4 of 8.7 GB for
+    SmolLM2-135M at 8 x 512 tokens). Here only the input is kept, which the layer's neighbours keep anyway, and
+    the dropout and A are recomputed from it; the random state is restored for the redo, so masks, values and
+    gradients are exactly peft's."""
+
+    def __init__(self, projection: torch.nn.Linear, p: float):
+        super().__init__(projection.in_features, projection.out_features, bias=False, device="meta")
+        self.weight, self.p = projection.weight, p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        return checkpoint(self._dropped_projection, x, use_reentrant=False)
+
+    def _dropped_projection(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(torch.nn.functional.dropout(x, self.p, training=True), self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, dropout={self.p}"
 
 
 def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str):
     """``model`` with LoRA adapters on ``target_modules`` (comma-separated module names, or ``all-linear``:
-    every linear layer but the output head); only the adapters train.
+    every linear layer but the output head); only the adapters train. With ``dropout``, each adapter's dropout
+    is recomputed in the backward pass instead of kept (``RecomputedDropoutLinear``).
 
     Raises:
         UserError: the names match no layer of the model.
     """
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
 
     targets = target_modules if target_modules == "all-linear" else [n.strip() for n in target_modules.split(",")]
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, config)
+        model = get_peft_model(model, config)
     except ValueError as err:
         linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                          if type(module).__name__ == "Linear"})
         raise UserError(f"--lora_target_modules {target_modules}: {str(err).splitlines()[0][:160]}; this model's "
                         f"linear layers are {', '.join(linear)} (or use all-linear)") from None
+    if dropout > 0:
+        for layer in list(model.modules()):
+            if isinstance(layer, LoraLayer):
+                for name, projection in list(layer.lora_A.items()):
+                    layer.lora_A[name] = RecomputedDropoutLinear(projection, dropout)
+                    layer.lora_dropout[name] = torch.nn.Identity()
+    return model
 
 
 def save_adapter(model, state_dict: dict, tokenizer, output_dir: str, merge: bool) -> None:

@@ -1,0 +1,78 @@
+"""LoRA's dropout redone in the backward pass: peft's values and gradients, without peft's kept copies."""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, get_peft_model
+from test_causal_lm import padded_batch, tiny
+
+from finetune.causal_lm import label_log_probs
+from finetune.lora import RecomputedDropoutLinear, add_lora
+
+
+def adapted(dropout: float, peft_only: bool = False):
+    """The tiny model with LoRA on every linear layer; B made non-zero (as after some training) so that the
+    dropout reaches every gradient. ``peft_only``: peft's own layers, as ``get_peft_model`` makes them."""
+    model = tiny()
+    if peft_only:
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear"))
+    else:
+        model = add_lora(model, 4, 8, dropout, "all-linear")
+    generator = torch.Generator().manual_seed(3)
+    for name, weight in model.named_parameters():
+        if "lora_B" in name:
+            weight.data.normal_(std=0.02, generator=generator)
+    return model.train()
+
+
+def two_steps(model) -> list:
+    """Each of two forward and backward passes' log-probabilities and gradients, the random state seeded once."""
+    torch.manual_seed(5)
+    steps = []
+    for _ in range(2):
+        model.zero_grad()
+        log_probs = label_log_probs(model, padded_batch())[0]
+        log_probs.sum().backward()
+        steps.append((log_probs, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    return steps
+
+
+def kept_bytes(model) -> int:
+    """Bytes of the tensors autograd keeps for the backward pass of one training forward, weights not counted."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        label_log_probs(model, padded_batch())
+    return sum(kept.values())
+
+
+def test_recomputed_dropout_gives_peft_s_log_probs_and_gradients_exactly_step_after_step():
+    ours, peft_s = adapted(0.3), adapted(0.3, peft_only=True)
+    assert sum(isinstance(m, RecomputedDropoutLinear) for m in ours.modules()) == 14  # 7 layers x 2 blocks
+    assert ours.state_dict().keys() == peft_s.state_dict().keys()  # the same adapter files
+
+    for (our_log_probs, our_grads), (log_probs, grads) in zip(two_steps(ours), two_steps(peft_s), strict=True):
+        assert torch.equal(our_log_probs, log_probs)
+        assert our_grads.keys() == grads.keys() and len(grads) == 28
+        for name, grad in grads.items():
+            assert torch.equal(our_grads[name], grad), name
+    # The masks were drawn: the same model without dropout gives other gradients.
+    assert not torch.equal(two_steps(adapted(0.0))[0][1][name], grad)
+
+
+def test_dropout_keeps_nothing_more_for_the_backward_pass_than_no_dropout():
+    assert kept_bytes(adapted(0.3)) == kept_bytes(adapted(0.0)) < 0.7 * kept_bytes(adapted(0.3, peft_only=True))
+
+
+def test_evaluation_drops_nothing():
+    with torch.no_grad():
+        dropped = label_log_probs(adapted(0.3).eval(), padded_batch())[0]
+        whole = label_log_probs(adapted(0.0).eval(), padded_batch())[0]
+    assert torch.equal(dropped, whole)
