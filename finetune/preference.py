@@ -370,12 +370,16 @@ def precomputed_reference(reference: Reference, policy, pairs, collate, batch_si
     share = -(-len(pairs) // world)
     mine = list(range(rank, len(pairs), world)) or [0]
     mine += mine[-1:] * (share - len(mine))
+    # Longest pairs first: passes of like lengths carry little padding. The table is put back in pair order.
+    order = sorted(range(share), key=lambda k: -pairs.lengths[mine[k]])
     parts = []
     for start in range(0, share, batch_size):
-        batch = collate(pairs.__getitems__(mine[start:start + batch_size]))
+        batch = collate(pairs.__getitems__([mine[k] for k in order[start:start + batch_size]]))
         batch.pop("index")
         parts.append(reference.pair_log_probs(policy, {k: v.to(device) for k, v in batch.items()}, max_tokens))
-    gathered = torch.stack(all_gather_padded(torch.cat(parts)))
+    computed = torch.cat(parts)
+    in_order = torch.empty_like(computed).index_copy_(0, torch.tensor(order, device=device), computed)
+    gathered = torch.stack(all_gather_padded(in_order))
     table = gathered.transpose(0, 1).reshape(-1, 2)[:len(pairs)]
     if rank == 0:
         partial = path.with_name(path.name + ".partial")

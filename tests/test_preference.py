@@ -241,6 +241,8 @@ def test_summed_log_probabilities_equal_trl_s_on_the_same_token_ids(tokenizer, t
 
 def test_a_precomputed_reference_equals_the_live_one_and_is_read_back(tokenizer, tmp_path, monkeypatch):
     data = pairs_dataset(tokenizer, tmp_path, count=7)
+    # Each pair longer than the one before: computed longest first, the table must come back in pair order.
+    assert list(data.lengths) == sorted(set(data.lengths))
     collate = PairCollator(tokenizer.pad_token_id)
     policy = add_lora(tiny_model(tokenizer), 8, 16, 0.0, "all-linear")
     reference = Reference(policy)
