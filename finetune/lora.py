@@ -10,7 +10,7 @@ from finetune.checkpoint import save_model
 from finetune.errors import UserError
 from finetune.fsdp import is_sharded
 
-__all__ = ["RecomputedDropoutLinear", "add_lora", "save_adapter"]
+__all__ = ["DropoutLinear", "add_lora", "save_adapter"]
 
 
 class _DroppedProjection(torch.autograd.Function):
@@ -30,14 +30,15 @@ class _DroppedProjection(torch.autograd.Function):
         dtype = grad_output.dtype  # under autocast, the forward's matmul ran in it
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.ops.aten.native_dropout_backward(grad_output @ weight.to(dtype), mask, ctx.scale)
+            grad_dropped = (grad_output @ weight.to(dtype)).to(x.dtype)  # the dropout ran in x's dtype
+            grad_x = torch.ops.aten.native_dropout_backward(grad_dropped, mask, ctx.scale)
         if ctx.needs_input_grad[1]:
             dropped = x.mul(mask).mul_(ctx.scale).to(dtype)  # as native_dropout computed it on a CPU
             grad_weight = grad_output.flatten(0, -2).T @ dropped.flatten(0, -2)
         return grad_x, grad_weight, None
 
 
-class RecomputedDropoutLinear(torch.nn.Linear):
+class DropoutLinear(torch.nn.Linear):
     """LoRA's A projection of its input after dropout, the dropped input rebuilt in the backward pass.
 
     peft applies dropout and then A, so autograd keeps a dropped copy of every adapted layer's input for the
@@ -61,8 +62,8 @@ class RecomputedDropoutLinear(torch.nn.Linear):
 
 def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str):
     """``model`` with LoRA adapters on ``target_modules`` (comma-separated module names, or ``all-linear``:
-    every linear layer but the output head); only the adapters train. With ``dropout``, each adapter's dropout
-    is recomputed in the backward pass instead of kept (``RecomputedDropoutLinear``).
+    every linear layer but the output head); only the adapters train. With ``dropout``, each adapter keeps its
+    dropout's mask for the backward pass, not a dropped copy of its input (``DropoutLinear``).
 
     Raises:
         UserError: the names match no layer of the model.
@@ -83,7 +84,7 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str):
         for layer in list(model.modules()):
             if isinstance(layer, LoraLayer):
                 for name, projection in list(layer.lora_A.items()):
-                    layer.lora_A[name] = RecomputedDropoutLinear(projection, dropout)
+                    layer.lora_A[name] = DropoutLinear(projection, dropout)
                     layer.lora_dropout[name] = torch.nn.Identity()
     return model
 

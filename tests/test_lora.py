@@ -1,4 +1,4 @@
-"""LoRA's dropout redone in the backward pass: peft's values and gradients, without peft's kept copies."""
+"""LoRA's dropout keeping its mask, not a dropped copy of the input: peft's values and gradients, less kept."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from peft import LoraConfig, get_peft_model
 from test_causal_lm import SIZES, padded_batch, tiny
 
 from finetune.causal_lm import label_log_probs
-from finetune.lora import RecomputedDropoutLinear, add_lora
+from finetune.lora import DropoutLinear, add_lora
 
 
 def adapted(dropout: float, peft_only: bool = False):
@@ -55,7 +55,7 @@ def kept_bytes(model) -> int:
 
 def test_recomputed_dropout_gives_peft_s_log_probs_and_gradients_exactly_step_after_step():
     ours, peft_s = adapted(0.3), adapted(0.3, peft_only=True)
-    assert sum(isinstance(m, RecomputedDropoutLinear) for m in ours.modules()) == 14  # 7 layers x 2 blocks
+    assert sum(isinstance(m, DropoutLinear) for m in ours.modules()) == 14  # 7 layers x 2 blocks
     assert ours.state_dict().keys() == peft_s.state_dict().keys()  # the same adapter files
 
     for (our_log_probs, our_grads), (log_probs, grads) in zip(two_steps(ours), two_steps(peft_s), strict=True):
@@ -81,3 +81,19 @@ def test_evaluation_drops_nothing():
         dropped = label_log_probs(adapted(0.3).eval(), padded_batch())[0]
         whole = label_log_probs(adapted(0.0).eval(), padded_batch())[0]
     assert torch.equal(dropped, whole)
+
+
+def test_under_bf16_autocast_values_and_gradients_are_peft_s():
+    """The GPU path's arithmetic, on a CPU: A runs in bf16 as autocast runs peft's, the dropout in float32."""
+    ours, peft_s = adapted(0.3), adapted(0.3, peft_only=True)
+    results = []
+    for model in (ours, peft_s):
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            log_probs = label_log_probs(model, padded_batch())[0]
+        log_probs.sum().backward()
+        results.append((log_probs, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (our_log_probs, our_grads), (log_probs, grads) = results
+    assert torch.equal(our_log_probs, log_probs) and our_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32 and torch.equal(our_grads[name], grad), name
