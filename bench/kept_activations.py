@@ -30,7 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 ROWS, TOKENS, TRAINED = 8, 512, 162
 
 
-def kept_mib(model, batch: dict) -> float:
+def kept_bytes(model, batch: dict) -> int:
+    """Bytes of the tensors autograd keeps for the backward pass of one training forward of the chat recipe's
+    loss over ``batch``, each storage once, the weights not counted."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
 
@@ -42,7 +44,7 @@ def kept_mib(model, batch: dict) -> float:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         label_log_probs(model.train(), dict(batch))
-    return sum(kept.values()) / 2**20
+    return sum(kept.values())
 
 
 def kept_by(way: str) -> int:
@@ -58,7 +60,7 @@ def kept_by(way: str) -> int:
                                                  task_type="CAUSAL_LM"))
     else:
         model = add_lora(model, 16, 32, 0.05 if way == "finetune_dropout_0.05" else 0.0, "all-linear")
-    return round(kept_mib(model, batch))
+    return round(kept_bytes(model, batch) / 2**20)
 
 
 def main(results_file: Path) -> None:

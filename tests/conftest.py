@@ -207,12 +207,17 @@ def stopped_step(output: str, sig: signal.Signals) -> int:
 
 
 @functools.cache
-def load_recipe(name: str = "classify"):
-    """``recipes/NAME.py`` as a module, to run its ``main`` in this process."""
-    spec = importlib.util.spec_from_file_location(f"{name}_recipe", REPO / "recipes" / f"{name}.py")
+def load_script(folder: str, name: str):
+    """``FOLDER/NAME.py`` of the repository (a recipe, a benchmark) as a module, to call it in this process."""
+    spec = importlib.util.spec_from_file_location(f"{name}_{folder}", REPO / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_recipe(name: str = "classify"):
+    """``recipes/NAME.py`` as a module, to run its ``main`` in this process."""
+    return load_script("recipes", name)
 
 
 def assert_refused(main, flags: list[str], folder: Path, capsys, expected: str) -> None:

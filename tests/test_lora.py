@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from conftest import load_script
 from peft import LoraConfig, get_peft_model
 from test_causal_lm import SIZES, padded_batch, tiny
 
@@ -38,22 +39,11 @@ def two_steps(model) -> list:
 
 
 def kept_bytes(model) -> int:
-    """Bytes of the tensors autograd keeps for the backward pass of one training forward, weights not counted."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        label_log_probs(model, padded_batch())
-    return sum(kept.values())
+    """What one training forward keeps for the backward pass, counted as bench/kept_activations.py counts it."""
+    return load_script("bench", "kept_activations").kept_bytes(model, padded_batch())
 
 
-def test_recomputed_dropout_gives_peft_s_log_probs_and_gradients_exactly_step_after_step():
+def test_lora_dropout_gives_peft_s_log_probs_and_gradients_exactly_step_after_step():
     ours, peft_s = adapted(0.3), adapted(0.3, peft_only=True)
     assert sum(isinstance(m, DropoutLinear) for m in ours.modules()) == 14  # 7 layers x 2 blocks
     assert ours.state_dict().keys() == peft_s.state_dict().keys()  # the same adapter files
