@@ -10,6 +10,7 @@ instead of kept. A batch of B rows of T tokens then holds one chunk's float32 lo
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from finetune.task import ModelCardInfo
 
 __all__ = ["CausalLMArguments", "ChatModelArguments", "chat_model_card", "check_output_layer", "decode_replies",
            "greedy_replies", "label_log_probs", "language_model_collators", "load_chat_tokenizer", "save_chat_model",
-           "split_by_tokens", "summed_log_probs"]
+           "shared_prompt_log_probs", "split_by_tokens", "summed_log_probs"]
 
 LOGITS_PER_CHUNK = 2**24
 """Logits computed at once (64 MiB in float32): a chunk holds ``LOGITS_PER_CHUNK // vocabulary`` positions."""
@@ -136,9 +137,18 @@ def label_log_probs(model, batch: dict, chunk_size: int | None = None) -> tuple[
         raise UserError(f"{type(inner).__name__} never calls its output layer (get_output_embeddings()) in its "
                         "forward; the chat recipes need a model that does")
     labelled = next_labels != IGNORE
-    hidden, targets = seen["hidden"][:, :-1][labelled], next_labels[labelled]
+    log_probs = _head_log_probs(inner, seen, seen["hidden"][:, :-1][labelled], next_labels[labelled], chunk_size)
+    return torch.zeros(next_labels.shape, device=log_probs.device).masked_scatter(labelled, log_probs), next_labels
+
+
+def _head_log_probs(model, seen: dict, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = None
+                    ) -> torch.Tensor:
+    """``[positions]``: the float32 log-probability of each target from the hidden state before it, ``model``'s
+    output layer applied under the autocast state ``seen`` noted (``_output_layer_input``), ``chunk_size``
+    positions at a time, each chunk's logits recomputed in the backward pass instead of kept."""
+    head = model.get_output_embeddings()
     device_type, dtype, autocast = seen["autocast"]
-    transform = _logit_transform(inner.config.get_text_config())
+    transform = _logit_transform(model.config.get_text_config())
 
     def log_probs_of(positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type, dtype=dtype, enabled=autocast):  # as the model's forward applies its head
@@ -152,9 +162,61 @@ def label_log_probs(model, batch: dict, chunk_size: int | None = None) -> tuple[
     else:
         pieces = [log_probs_of(h, y) for h, y in chunks]
     # With no position labelled, one empty chunk still connects the result to the model (backward works).
-    log_probs = next_labels.new_zeros(next_labels.shape, dtype=torch.float32).masked_scatter(labelled,
-                                                                                           torch.cat(pieces))
-    return log_probs, next_labels
+    return torch.cat(pieces)
+
+
+def shared_prompt_log_probs(model, batch: dict, max_tokens: int) -> torch.Tensor:
+    """``[prompts, k]``: the summed float32 log-probabilities of each prompt's ``k`` replies, what
+    ``summed_log_probs`` gives for the rows prompt + reply, with each prompt run once. For evaluation, under
+    ``no_grad``; ``model`` unwrapped.
+
+    ``batch``: right-padded ``prompt_ids`` and ``prompt_mask`` ``[prompts, P]``, and ``reply_ids`` and ``reply_mask``
+    ``[prompts x k, R]``, each prompt's replies in turn. A prompt's KV cache, repeated, serves its replies, which
+    read on from the prompt's positions; a reply's first token is scored from the prompt's last hidden state. The
+    prompts run in groups whose rows x ``k`` x (prompt + longest reply) stays within ``max_tokens`` (or alone).
+    """
+    prompt_mask, reply_mask = batch["prompt_mask"], batch["reply_mask"]
+    k = len(reply_mask) // len(prompt_mask)
+    widths = prompt_mask.sum(1) + reply_mask.sum(1).view(-1, k).amax(1)
+    groups = _token_budget_groups(widths.tolist(), max(1, max_tokens // k))
+    passes_behind = _passes_behind(model, len(groups), prompt_mask.device)
+    sums = [_shared_prompt_pass(model, batch, group, k) for group in groups + groups[:1] * passes_behind]
+    return torch.cat(sums[:len(groups)])
+
+
+def _shared_prompt_pass(model, batch: dict, rows: slice, k: int) -> torch.Tensor:
+    """``shared_prompt_log_probs`` of the prompts ``rows``: a forward pass over them, then one over their replies."""
+    head, cache_keyword = model.get_output_embeddings(), _cache_keyword(model)
+    prompt_ids, prompt_mask = _unpadded(batch["prompt_ids"][rows], batch["prompt_mask"][rows])
+    reply_rows = slice(rows.start * k, rows.stop * k)
+    reply_ids, reply_mask = _unpadded(batch["reply_ids"][reply_rows], batch["reply_mask"][reply_rows])
+    lengths = prompt_mask.sum(1)
+    with _output_layer_input(head) as seen:
+        outputs = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True)
+    last = seen["hidden"][torch.arange(len(lengths), device=lengths.device), lengths - 1].repeat_interleave(k, 0)
+    cache = getattr(outputs, cache_keyword)
+    cache.batch_repeat_interleave(k)
+    positions = lengths.repeat_interleave(k)[:, None] + torch.arange(reply_ids.shape[1], device=lengths.device)
+    with _output_layer_input(head) as seen:
+        model(input_ids=reply_ids, attention_mask=torch.cat([prompt_mask.repeat_interleave(k, 0), reply_mask], 1),
+              position_ids=positions, use_cache=True, **{cache_keyword: cache})
+    labelled = reply_mask.bool()
+    hidden = torch.cat([last[:, None], seen["hidden"][:, :-1]], 1)[labelled]
+    log_probs = _head_log_probs(model, seen, hidden, reply_ids[labelled])
+    return torch.zeros(reply_ids.shape, device=log_probs.device).masked_scatter(labelled, log_probs).sum(1).view(-1, k)
+
+
+def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded rows without the padding columns no row needs."""
+    width = int(mask.sum(1).max())
+    return ids[:, :width], mask[:, :width]
+
+
+def _cache_keyword(model) -> str:
+    """The name of the KV cache in the model's forward and its output: ``cache`` from transformers 5.24 on (where
+    ``past_key_values`` still works, with a warning), ``past_key_values`` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 @contextlib.contextmanager

@@ -26,14 +26,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from finetune.batching import LENGTH, LOSS_UNITS
-from finetune.causal_lm import label_log_probs, summed_log_probs
+from finetune.causal_lm import label_log_probs, shared_prompt_log_probs
 from finetune.chat import IGNORE, check_conversation, render_reply_spans
 from finetune.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
 from finetune.prepared_data import TOKEN_IDS, Tokenizing
 
-__all__ = ["LOSS_TYPES", "PairCollator", "Precomputation", "Reference", "check_loss_options", "dpo_loss",
-           "is_adapter_folder", "load_causal_lm", "pair_figures", "pair_log_probs", "pair_metrics",
+__all__ = ["LOSS_TYPES", "PairCollator", "Precomputation", "PromptRepliesCollator", "Reference", "check_loss_options",
+           "dpo_loss", "is_adapter_folder", "load_causal_lm", "pair_figures", "pair_log_probs", "pair_metrics",
            "precomputed_reference", "preference_layout", "read_pairs", "tokenize_pairs", "write_pair_predictions"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
@@ -197,6 +197,26 @@ class PairCollator:
                 "index": torch.tensor([p["index"] for p in pairs], dtype=torch.long)}
 
 
+class PromptRepliesCollator:
+    """Pairs to one batch for ``finetune.causal_lm.shared_prompt_log_probs`` (evaluation, the precomputed
+    reference): ``prompt_ids`` and ``prompt_mask``, one row per pair, and ``reply_ids`` and ``reply_mask``, each
+    pair's chosen then rejected reply, all right-padded. ``index`` (one per pair) comes along."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, pairs: list[dict]) -> dict:
+        prompt_ids, prompt_mask = self._padded([p["prompt_ids"] for p in pairs])
+        reply_ids, reply_mask = self._padded([p[side] for p in pairs for side in ("chosen_ids", "rejected_ids")])
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "reply_ids": reply_ids, "reply_mask": reply_mask,
+                "index": torch.tensor([p["index"] for p in pairs], dtype=torch.long)}
+
+    def _padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(map(len, rows))
+        ids = torch.tensor([row + [self.pad_token_id] * (width - len(row)) for row in rows], dtype=torch.long)
+        return ids, (torch.arange(width) < torch.tensor([len(row) for row in rows])[:, None]).long()
+
+
 def pair_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_probs, counts)``, each ``[pairs, 2]`` (chosen, rejected): the replies' float32 log-probabilities
     summed over their tokens (``finetune.causal_lm.label_log_probs``), and their token counts. ``batch`` is a
@@ -292,13 +312,18 @@ class Reference:
             self.table = precomputed_reference(self, policy, **vars(self.precomputation))
         return self.table[index.to(self.table.device)]
 
-    def pair_log_probs(self, policy, batch: dict, max_tokens: int | None = None) -> torch.Tensor:
-        """``[pairs, 2]`` summed reply log-probabilities of ``batch`` (as ``pair_log_probs``; in passes of at most
-        ``max_tokens`` tokens when given); ``policy`` may be wrapped (DDP)."""
+    def pair_log_probs(self, policy, batch: dict) -> torch.Tensor:
+        """``[pairs, 2]`` summed reply log-probabilities of a ``PairCollator`` batch (as ``pair_log_probs``);
+        ``policy`` may be wrapped (DDP)."""
         with torch.no_grad(), self._model(policy, batch["input_ids"].device) as model:
-            if max_tokens is None:
-                return pair_log_probs(model, dict(batch))[0]
-            return _by_pair(summed_log_probs(model, batch, max_tokens)[0])
+            return pair_log_probs(model, dict(batch))[0]
+
+    def shared_prompt_log_probs(self, policy, batch: dict, max_tokens: int) -> torch.Tensor:
+        """``[pairs, 2]`` as ``pair_log_probs``, of a ``PromptRepliesCollator`` batch, each prompt run once for both
+        replies in passes of at most ``max_tokens`` tokens (``finetune.causal_lm.shared_prompt_log_probs``);
+        ``policy`` may be wrapped (DDP)."""
+        with torch.no_grad(), self._model(policy, batch["prompt_ids"].device) as model:
+            return shared_prompt_log_probs(model, batch, max_tokens)
 
     @contextlib.contextmanager
     def _model(self, policy, device: torch.device) -> Iterator[torch.nn.Module]:
@@ -349,7 +374,8 @@ def is_adapter_folder(name_or_path: str) -> bool:
 
 def precomputed_reference(reference: Reference, policy, pairs, collate, batch_size: int, max_tokens: int, path: Path,
                           key: str) -> torch.Tensor:
-    """``[len(pairs), 2]``: every pair's reference log-probabilities (``Reference.pair_log_probs``), on every process.
+    """``[len(pairs), 2]``: every pair's reference log-probabilities (``Reference.shared_prompt_log_probs`` of
+    ``collate``'s batches, a ``PromptRepliesCollator``), on every process.
 
     Read from ``path`` when it holds them for ``key`` on every process; else computed with each pair once over
     all processes (process r takes pairs r, r + world size, ...), gathered, and written to ``path`` by the main
@@ -376,7 +402,8 @@ def precomputed_reference(reference: Reference, policy, pairs, collate, batch_si
     for start in range(0, share, batch_size):
         batch = collate(pairs.__getitems__([mine[k] for k in order[start:start + batch_size]]))
         batch.pop("index")
-        parts.append(reference.pair_log_probs(policy, {k: v.to(device) for k, v in batch.items()}, max_tokens))
+        parts.append(reference.shared_prompt_log_probs(policy, {k: v.to(device) for k, v in batch.items()},
+                                                       max_tokens))
     computed = torch.cat(parts)
     in_order = torch.empty_like(computed).index_copy_(0, torch.tensor(order, device=device), computed)
     gathered = torch.stack(all_gather_padded(in_order))

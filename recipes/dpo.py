@@ -18,17 +18,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune import causal_lm, preference
 from finetune.batching import TokenizedDataset
-from finetune.causal_lm import (
-    ChatModelArguments,
-    chat_model_card,
-    check_output_layer,
-    decode_replies,
-    greedy_replies,
-    load_chat_tokenizer,
-    save_chat_model,
-    summed_log_probs,
-)
 from finetune.chat import write_generations
 from finetune.config import arg, parse_config
 from finetune.data import load_splits
@@ -37,20 +28,6 @@ from finetune.default_preferences import make_preference_pairs
 from finetune.errors import run_main
 from finetune.lora import add_lora
 from finetune.models import default_chat_model_path
-from finetune.preference import (
-    PairCollator,
-    Precomputation,
-    Reference,
-    check_loss_options,
-    dpo_loss,
-    is_adapter_folder,
-    load_causal_lm,
-    pair_figures,
-    pair_log_probs,
-    pair_metrics,
-    tokenize_pairs,
-    write_pair_predictions,
-)
 from finetune.task import TaskSetup
 
 DEFAULT_DATA = "support preference pairs (embedded default)"
@@ -63,7 +40,7 @@ REFERENCE_FILE = "ref_log_probs.safetensors"
 
 
 @dataclass
-class DPOArguments(ChatModelArguments):
+class DPOArguments(causal_lm.ChatModelArguments):
     loss_type: str = arg("sigmoid", "sigmoid (DPO), ipo (on the replies' mean log-probabilities) or robust "
                                     "(DPO for labels flipped at a rate --label_smoothing).")
     beta: float = arg(0.1, "How far the policy may move from the reference: DPO's beta, IPO's tau.")
@@ -77,7 +54,7 @@ class DPOArguments(ChatModelArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        check_loss_options(self.loss_type, self.beta, self.label_smoothing)
+        preference.check_loss_options(self.loss_type, self.beta, self.label_smoothing)
 
 
 class DPOTask:
@@ -89,10 +66,10 @@ class DPOTask:
 
     def __init__(self, args: DPOArguments):
         self.args = args
-        self.card = chat_model_card("preference tuning (DPO)", args.use_lora)
+        self.card = causal_lm.chat_model_card("preference tuning (DPO)", args.use_lora)
 
     def load_tokenizer(self, cfg):
-        return load_chat_tokenizer(cfg, self.args.chat_template)
+        return causal_lm.load_chat_tokenizer(cfg, self.args.chat_template)
 
     def load_data(self, cfg):
         return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
@@ -102,8 +79,8 @@ class DPOTask:
         return {"max_seq_length": cfg.max_seq_length}
 
     def tokenize(self, raw, tokenizer, cfg, tokenizing):
-        train = tokenize_pairs(raw["train"], tokenizer, cfg.max_seq_length, "train", tokenizing)
-        tokenize_pairs(raw["validation"], tokenizer, cfg.max_seq_length, "validation", tokenizing,
+        train = preference.tokenize_pairs(raw["train"], tokenizer, cfg.max_seq_length, "train", tokenizing)
+        preference.tokenize_pairs(raw["validation"], tokenizer, cfg.max_seq_length, "validation", tokenizing,
                        generation_prompts=True)
         embedded = not (cfg.train_file or cfg.dataset_name)  # its replies name a team: routing accuracy is scored
         return {"teams": list(raw["validation"]["team"]) if embedded else None, "cut": sum(train["cut"])}
@@ -113,59 +90,60 @@ class DPOTask:
         self.tokenizer, self.teams = tokenizer, data.info["teams"]
         self.prompted = data.validation.select(range(min(args.eval_generate, len(data.validation))))
         self.prompts = [row["prompt_ids"] for row in self.prompted]
-        model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
-                               trust_remote_code=cfg.trust_remote_code)
+        model = preference.load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
+                                          trust_remote_code=cfg.trust_remote_code)
         if args.use_lora:
             model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
-        check_output_layer(model)
-        self.collate = PairCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                                    else tokenizer.eos_token_id)
-        train_set = TokenizedDataset(data.train, COLUMNS)
-        self.reference = Reference(model, Precomputation(
-            train_set, self.collate, cfg.per_device_eval_batch_size, args.per_device_eval_max_tokens,
+        causal_lm.check_output_layer(model)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        train_set, eval_collate = TokenizedDataset(data.train, COLUMNS), preference.PromptRepliesCollator(pad)
+        self.reference = preference.Reference(model, preference.Precomputation(
+            train_set, eval_collate, cfg.per_device_eval_batch_size, args.per_device_eval_max_tokens,
             Path(cfg.output_dir) / REFERENCE_FILE, key=f"{cfg.model_name_or_path} {data.folder.name}",
         ) if args.precompute_ref_log_probs else None)
-        return TaskSetup(train_set, TokenizedDataset(data.validation, COLUMNS), self.collate, model,
-                         truncated=data.info["cut"],
+        adapter_start = cfg.model_name_or_path and preference.is_adapter_folder(cfg.model_name_or_path)
+        return TaskSetup(train_set, TokenizedDataset(data.validation, COLUMNS), preference.PairCollator(pad), model,
+                         eval_collate=eval_collate, truncated=data.info["cut"],
                          summary=f"a pair per example, --loss_type {args.loss_type} --beta {args.beta}, "
                                  f"{'precomputed' if args.precompute_ref_log_probs else 'live'} reference"
                                  + (f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else "")
                                  + (f", from {cfg.model_name_or_path} folded into its base model (the saved adapter "
                                     "applies to that model; --merge_lora also saves one that stands alone)"
-                                    if cfg.model_name_or_path and is_adapter_folder(cfg.model_name_or_path) else ""))
+                                    if adapter_start else ""))
 
     def loss(self, model, batch):
         reference = self.reference.training_log_probs(model, batch, batch.pop("index"))
-        policy, counts = pair_log_probs(model, batch)
-        losses, rewards = dpo_loss(policy, reference, counts, self.args.loss_type, self.args.beta,
-                                   self.args.label_smoothing)
-        return {"loss": losses.sum(), **pair_figures(policy, rewards)}
+        policy, counts = preference.pair_log_probs(model, batch)
+        losses, rewards = preference.dpo_loss(policy, reference, counts, self.args.loss_type, self.args.beta,
+                                              self.args.label_smoothing)
+        return {"loss": losses.sum(), **preference.pair_figures(policy, rewards)}
 
-    def eval_outputs(self, model, batch):
-        index = batch.pop("index")
-        budget = self.args.per_device_eval_max_tokens
-        policy, counts = (values.view(2, -1).T for values in summed_log_probs(model, batch, budget))
-        reference = self.reference.pair_log_probs(model, batch, budget)
-        replies = greedy_replies(model, index, self.prompts, self.tokenizer, self.args.max_new_tokens, budget)
-        return policy, reference, counts, replies
+    def eval_outputs(self, model, batch):  # each prompt runs once for both replies
+        index, budget = batch.pop("index"), self.args.per_device_eval_max_tokens
+        policy = causal_lm.shared_prompt_log_probs(model, batch, budget)
+        reference = self.reference.shared_prompt_log_probs(model, batch, budget)
+        replies = causal_lm.greedy_replies(model, index, self.prompts, self.tokenizer, self.args.max_new_tokens,
+                                           budget)
+        return policy, reference, batch["reply_mask"].sum(1).view(-1, 2), replies
 
     def metrics(self, outputs):
         policy, reference, counts, replies = outputs
-        metrics = pair_metrics(policy, reference, counts, self.args.loss_type, self.args.beta,
-                               self.args.label_smoothing)
-        self.generations = decode_replies(replies, len(self.prompts), self.tokenizer)
+        metrics = preference.pair_metrics(policy, reference, counts, self.args.loss_type, self.args.beta,
+                                          self.args.label_smoothing)
+        self.generations = causal_lm.decode_replies(replies, len(self.prompts), self.tokenizer)
         if self.teams and self.generations:
             metrics["routing_accuracy"] = routing_accuracy(self.generations, self.teams)
         return metrics
 
     def write_predictions(self, outputs, output_dir):
         policy, reference, _, _ = outputs
-        write_pair_predictions(os.path.join(output_dir, "eval_predictions.jsonl"), policy, reference, self.args.beta)
+        preference.write_pair_predictions(os.path.join(output_dir, "eval_predictions.jsonl"), policy, reference,
+                                          self.args.beta)
         if self.generations:
             write_generations(os.path.join(output_dir, "eval_generations.jsonl"), self.prompted, self.generations)
 
     def save(self, model, state_dict, tokenizer, output_dir):
-        save_chat_model(model, state_dict, tokenizer, output_dir, self.args)
+        causal_lm.save_chat_model(model, state_dict, tokenizer, output_dir, self.args)
 
 
 def main(argv=None):

@@ -10,6 +10,7 @@ from finetune.causal_lm import (
     check_output_layer,
     greedy_replies,
     label_log_probs,
+    shared_prompt_log_probs,
     split_by_tokens,
     summed_log_probs,
 )
@@ -146,6 +147,40 @@ def test_evaluation_is_the_same_whatever_the_token_budget():
             sums, counts = summed_log_probs(model, batch, budget)
             torch.testing.assert_close(sums, expected.sum(1), rtol=0, atol=1e-6)
             assert counts.tolist() == [n - 3 for n in lengths]
+
+
+@pytest.mark.parametrize("config_class", [LlamaConfig, Gemma2Config])
+def test_a_prompt_run_once_for_its_replies_scores_them_as_whole_rows_do(config_class):
+    model = tiny(config_class)
+    generator = torch.Generator().manual_seed(2)
+
+    def tokens(n):
+        return torch.randint(1, VOCAB, (n,), generator=generator).tolist()
+
+    prompts = [tokens(n) for n in (9, 3, 14, 6)]
+    replies = [[tokens(a), tokens(b), tokens(c)] for a, b, c in ((4, 1, 7), (10, 2, 2), (1, 1, 5), (3, 8, 6))]
+    rows = [(prompt, reply) for prompt, options in zip(prompts, replies, strict=True) for reply in options]
+    width = max(len(p) + len(r) for p, r in rows)
+    batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
+             "labels": torch.full((len(rows), width), IGNORE)}
+    for i, (prompt, reply) in enumerate(rows):
+        batch["input_ids"][i, :len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+        batch["attention_mask"][i, :len(prompt) + len(reply)] = 1
+        batch["labels"][i, len(prompt):len(prompt) + len(reply)] = torch.tensor(reply)
+    prompt_ids, prompt_mask = right_padded(prompts)
+    reply_ids, reply_mask = right_padded([reply for options in replies for reply in options])
+    shared = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "reply_ids": reply_ids, "reply_mask": reply_mask}
+    with torch.no_grad():
+        whole_rows = whole_batch_log_probs(model, batch).sum(1).view(len(prompts), 3)
+        for budget in (1, 60, 10_000):  # a prompt a pass, two, all
+            torch.testing.assert_close(shared_prompt_log_probs(model, shared, budget), whole_rows, rtol=0, atol=2e-5)
+
+
+def right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    return (torch.tensor([row + [0] * (width - len(row)) for row in rows]),
+            torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows]))
 
 
 class Tokenizer:

@@ -20,6 +20,7 @@ from finetune.lora import add_lora
 from finetune.models import default_chat_model_path
 from finetune.preference import (
     PairCollator,
+    PromptRepliesCollator,
     Reference,
     dpo_loss,
     load_causal_lm,
@@ -217,8 +218,12 @@ def test_the_reference_is_the_model_before_training_with_lora_or_without(tokeniz
         moved = pair_log_probs(policy.eval(), dict(batch))[0]
         assert (moved - before).abs().min() > 1e-3
         torch.testing.assert_close(reference.pair_log_probs(policy, batch), before, rtol=0, atol=1e-5)
-        # in passes of a few rows each, as evaluation runs it (sums of about -240: float32 rounds them to 1.5e-5)
-        torch.testing.assert_close(reference.pair_log_probs(policy, batch, max_tokens=64), before, rtol=2e-7, atol=1e-5)
+        # each prompt once for both replies, a few pairs a pass, as evaluation runs it (sums of about -240: float32
+        # rounds them to 1.5e-5)
+        shared = PromptRepliesCollator(tokenizer.pad_token_id)(data.__getitems__(range(len(data))))
+        shared.pop("index")
+        torch.testing.assert_close(reference.shared_prompt_log_probs(policy, shared, max_tokens=200), before,
+                                   rtol=2e-7, atol=1e-5)
 
 
 def test_summed_log_probabilities_equal_trl_s_on_the_same_token_ids(tokenizer, tmp_path):
@@ -243,11 +248,11 @@ def test_a_precomputed_reference_equals_the_live_one_and_is_read_back(tokenizer,
     data = pairs_dataset(tokenizer, tmp_path, count=7)
     # Each pair longer than the one before: computed longest first, the table must come back in pair order.
     assert list(data.lengths) == sorted(set(data.lengths))
-    collate = PairCollator(tokenizer.pad_token_id)
+    collate, shared = PairCollator(tokenizer.pad_token_id), PromptRepliesCollator(tokenizer.pad_token_id)
     policy = add_lora(tiny_model(tokenizer), 8, 16, 0.0, "all-linear")
     reference = Reference(policy)
     path = tmp_path / "ref.safetensors"
-    table = precomputed_reference(reference, policy, data, collate, batch_size=3, max_tokens=200, path=path, key="a")
+    table = precomputed_reference(reference, policy, data, shared, batch_size=3, max_tokens=200, path=path, key="a")
     batch = collate(data.__getitems__(range(7)))
     batch.pop("index")
     # within 1e-5, and float32's rounding of sums of about -240 (1.5e-5) between batches of other shapes
@@ -257,10 +262,10 @@ def test_a_precomputed_reference_equals_the_live_one_and_is_read_back(tokenizer,
     def not_again(*args, **kwargs):
         raise AssertionError("recomputed")
 
-    monkeypatch.setattr(Reference, "pair_log_probs", not_again)
-    assert torch.equal(precomputed_reference(reference, policy, data, collate, 3, 200, path, key="a"), table)
+    monkeypatch.setattr(Reference, "shared_prompt_log_probs", not_again)
+    assert torch.equal(precomputed_reference(reference, policy, data, shared, 3, 200, path, key="a"), table)
     with pytest.raises(AssertionError, match="recomputed"):  # another model or data: not reused
-        precomputed_reference(reference, policy, data, collate, 3, 200, path, key="b")
+        precomputed_reference(reference, policy, data, shared, 3, 200, path, key="b")
 
 
 def test_an_adapter_folder_loads_as_its_base_with_the_adapter_folded_in(tokenizer, tmp_path):
@@ -302,8 +307,8 @@ def test_a_ddp_wrapper_does_not_hide_the_adapters_from_the_reference(tokenizer, 
         wrapped = DistributedDataParallel(policy.train())
         assert not hasattr(wrapped, "disable_adapter")
         reference = Reference(policy).pair_log_probs(wrapped, batch)
-        table = precomputed_reference(Reference(policy), wrapped, data, PairCollator(tokenizer.pad_token_id), 4, 10**6,
-                                      tmp_path / "ref.safetensors", key="k")
+        table = precomputed_reference(Reference(policy), wrapped, data, PromptRepliesCollator(tokenizer.pad_token_id),
+                                      4, 10**6, tmp_path / "ref.safetensors", key="k")
     finally:
         dist.destroy_process_group()
     torch.testing.assert_close(reference, base, rtol=0, atol=1e-5)
