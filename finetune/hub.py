@@ -27,7 +27,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from finetune.checkpoint import MANIFEST_FILE
 from finetune.errors import UserError
-from finetune.hub_uploader import describe
+from finetune.hub_uploader import TIMED_OUT_EXIT_CODE, describe
 from finetune.preemption import STOP_GRACE
 from finetune.task import ModelCardInfo
 
@@ -153,9 +153,10 @@ class HubPusher:
                 deadline, time.monotonic() + stopped_at() + STOP_GRACE - time.time()):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._uploader.wait(timeout=0.2)
-        if self._uploader.poll() is not None:
+        # The uploader's own deadline, the same --hub_timeout counted from a moment earlier, may come first.
+        if self._uploader.poll() not in (None, TIMED_OUT_EXIT_CODE):
             unfinished = f"the uploader stopped with exit status {self._uploader.returncode}"
-        elif stopped_at() < math.inf:
+        elif stopped_at() < math.inf and self._uploader.returncode is None:
             unfinished = (f"not done when the run stopped; the uploader (pid {self._uploader.pid}) goes on by itself "
                           f"for at most --hub_timeout {self.timeout}s and reports to this run's log")
         else:

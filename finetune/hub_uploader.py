@@ -39,6 +39,8 @@ UPLOAD_NICENESS = 10
 PUSH_ATTEMPTS = 3
 """Attempts per push; waits of 2, 4 s between them, on top of huggingface_hub's own retries."""
 IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+TIMED_OUT_EXIT_CODE = 124
+"""The exit status once TIMEOUT has passed with pushes unfinished (``timeout``'s), which the run reads as such."""
 
 
 def describe(err: Exception, token: str | None) -> str:
@@ -113,7 +115,7 @@ class Jobs:
             self._ended = True
             self._changed.notify()
         # Nothing else may end a process that ignores the stop signals once the run is gone.
-        deadline = threading.Timer(timeout, os._exit, [1])
+        deadline = threading.Timer(timeout, os._exit, [TIMED_OUT_EXIT_CODE])
         deadline.daemon = True
         deadline.start()
 
