@@ -5,31 +5,58 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from helpers import REPO
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every ``finetune.*`` module ``path`` imports, at the top or inside functions."""
+def package_modules(root: Path = REPO) -> dict[str, Path]:
+    """Every module of ``root/finetune`` by its dotted name; a package's ``__init__.py`` is the package."""
+    modules = {}
+    for path in (root / "finetune").rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imports_of(name: str, modules: dict[str, Path]) -> set[str]:
+    """Every module of the package that module ``name`` imports, in any form (``import finetune.x``, ``from
+    finetune import x``, ``from finetune.x import y``, relative imports), at the top or inside functions."""
+    path = modules[name]
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-    return {name for name in found if name.startswith("finetune.")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[:len(package) - node.level + 1], *([base] if base else [])])
+            found |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
+    return {module for module in found if module in modules and module != name}
+
+
+def test_the_import_graph_reads_every_form_of_import(tmp_path):
+    for name in ("__init__", "a", "b", "c", "sub/__init__", "sub/d", "sub/e"):
+        (tmp_path / "finetune" / f"{name}.py").parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "finetune" / f"{name}.py").write_text("")
+    (tmp_path / "finetune" / "sub" / "d.py").write_text(
+        "import finetune.a\nfrom finetune import b\nfrom ..c import thing\nfrom . import e\n"
+        "def later():\n    from finetune.sub.e import x\n")
+    assert imports_of("finetune.sub.d", package_modules(tmp_path)) == {
+        "finetune", "finetune.a", "finetune.b", "finetune.c", "finetune.sub", "finetune.sub.e"}
 
 
 def test_no_module_of_the_package_imports_itself_through_others():
-    modules = {f"finetune.{p.stem}": imports_of(p) for p in (REPO / "finetune").glob("*.py") if p.stem != "__init__"}
-    assert len(modules) > 10
+    modules = package_modules()
+    graph = {name: imports_of(name, modules) for name in modules}
+    assert len(graph) > 10
 
     def reaches(start: str, target: str, seen: set) -> bool:
-        for name in modules.get(start, ()):
+        for name in graph.get(start, ()):
             if name == target or (name not in seen and reaches(name, target, seen | {name})):
                 return True
         return False
 
-    cycles = sorted(name for name in modules if reaches(name, name, set()))
+    cycles = sorted(name for name in graph if reaches(name, name, set()))
     assert not cycles, f"import cycles through {cycles}"
 
 
