@@ -4,7 +4,7 @@ The modules, each named for what it holds: ``config`` (options, YAML and command
 recipe plugs in), ``loop`` (the shared training loop), ``batching`` (the global-batch plan), ``data``,
 ``checkpoint``, ``runtime`` with ``accelerate_runtime`` and ``ddp_runtime``, ``ddp`` (the raw
 torch.distributed layer, usable on its own), ``hub``. Importing the package itself loads none of them, so a
-recipe checks its flags before torch and the training libraries load.
+recipe checks its flags before the loop and its libraries load.
 """
 
 __version__ = "0.1.0"

@@ -4,8 +4,8 @@ Flag names follow transformers' example scripts (``--model_name_or_path``, ``--p
 ``--output_dir``, ...). A YAML file's values are turned into the command-line words they stand for and parsed
 by the same parser, so a file is checked exactly like the command line; the command line wins over the file.
 
-This module imports nothing heavy (no torch, no accelerate, no datasets): a recipe checks its flags first and
-a mistake comes back before the training libraries load.
+This module imports no torch, accelerate or datasets: a recipe checks its flags before it loads the loop,
+the runtimes and their libraries (accelerate, peft, evaluate), let alone a model or data.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from finetune.config import SCHEDULERS, arg, parse_config
 from finetune.errors import UserError
@@ -119,13 +119,17 @@ def test_invalid_values_are_refused(argv, message):
         parse(argv)
 
 
-def test_a_mistake_in_the_flags_comes_back_before_the_training_libraries_load():
+def test_a_mistake_in_the_flags_comes_back_before_the_loop_and_its_libraries_load():
+    """A recipe imports torch, transformers and datasets (its task needs them); the loop, the runtimes and what only
+    they need (accelerate, peft, evaluate with scikit-learn and scipy: seconds of imports) load once the flags
+    are good."""
+    deferred = ("accelerate", "peft", "evaluate", "sklearn", "scipy", "finetune.loop", "finetune.runtime",
+                "transformers.modeling_utils")
     probe = ("import runpy, sys\n"
              "sys.argv = ['recipes/classify.py', '--train_file', 'nope.csv']\n"
              "try:\n    runpy.run_path('recipes/classify.py', run_name='__main__')\n"
              "except SystemExit as exit:\n"
-             "    loaded = [m for m in ('accelerate', 'evaluate', 'sklearn', 'finetune.loop') if m in sys.modules]\n"
-             "    print(exit.code, loaded)\n")
+             f"    print(exit.code, [m for m in {deferred!r} if m in sys.modules], 'torch' in sys.modules)\n")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.stdout.strip() == "2 []", result.stdout + result.stderr
+    assert result.stdout.strip() == "2 [] True", result.stdout + result.stderr
     assert result.stderr.strip() == "error: --train_file and --validation_file go together; pass both"
