@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig
+from helpers import VOCAB, padded_batch, tiny_causal_lm
+from transformers import CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig
 
 from finetune.causal_lm import (
     check_output_layer,
@@ -18,26 +19,6 @@ from finetune.chat import IGNORE
 from finetune.errors import UserError
 from finetune.lora import add_lora
 
-VOCAB = 500
-SIZES = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "pad_token_id": 0, "bos_token_id": 1,
-         "eos_token_id": 7}
-
-
-def tiny(config_class=LlamaConfig, **extra):
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config_class(**SIZES, **extra)).eval()
-
-
-def padded_batch(lengths=(11, 4, 8, 12, 6), prompt=3) -> dict:
-    """Right-padded rows whose first ``prompt`` tokens (and the padding) are not labelled."""
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (len(lengths), max(lengths)), generator=generator)
-    mask = (torch.arange(max(lengths)) < torch.tensor(lengths)[:, None]).long()
-    labels = ids.masked_fill(mask == 0, IGNORE)
-    labels[:, :prompt] = IGNORE
-    return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
-
 
 def whole_batch_log_probs(model, batch: dict) -> torch.Tensor:
     """The log-probabilities from the model's own logits over the whole batch (what the chunks replace)."""
@@ -50,7 +31,7 @@ def whole_batch_log_probs(model, batch: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["tied embeddings, every weight trains", "separate output layer", "LoRA"])
 def test_chunked_log_probs_and_their_gradients_equal_the_whole_batch_s(kind):
-    model = tiny(tie_word_embeddings=kind != "separate output layer")
+    model = tiny_causal_lm(tie_word_embeddings=kind != "separate output layer")
     if kind == "LoRA":
         model = add_lora(model, 4, 8, 0.0, "all-linear")
         for name, weight in model.named_parameters():  # adapters that change the model, as after some training
@@ -79,7 +60,7 @@ def test_chunked_log_probs_and_their_gradients_equal_the_whole_batch_s(kind):
 
 def test_no_tensor_of_vocabulary_width_is_kept_for_the_backward_pass():
     """Each chunk's logits are recomputed in the backward pass: only the whole-batch way keeps logits."""
-    model = tiny()
+    model = tiny_causal_lm()
     parameters = {p.data_ptr() for p in model.parameters()}
 
     def kept_widths(compute) -> set:
@@ -99,7 +80,7 @@ def test_no_tensor_of_vocabulary_width_is_kept_for_the_backward_pass():
 
 
 def test_a_packed_row_gives_the_log_probs_of_its_examples_alone():
-    model = tiny()
+    model = tiny_causal_lm()
     batch = padded_batch(lengths=(7, 5))
     rows = [{k: v[i:i + 1, :n] for k, v in batch.items()} for i, n in enumerate((7, 5))]
     labels = torch.cat([rows[0]["labels"], rows[1]["labels"]], 1)
@@ -117,7 +98,7 @@ def test_a_packed_row_gives_the_log_probs_of_its_examples_alone():
 @pytest.mark.parametrize("config_class, field", [(Gemma2Config, "final_logit_softcapping"),
                                                  (CohereConfig, "logit_scale")])
 def test_models_that_change_their_logits_get_their_own_log_probs(config_class, field):
-    model = tiny(config_class, **{field: 0.5})
+    model = tiny_causal_lm(config_class, **{field: 0.5})
     check_output_layer(model)
     batch = padded_batch()
     with torch.no_grad():
@@ -127,11 +108,11 @@ def test_models_that_change_their_logits_get_their_own_log_probs(config_class, f
 
 def test_a_model_that_scales_its_logits_otherwise_is_refused():
     with pytest.raises(UserError, match="granite models scale their logits by logits_scaling"):
-        check_output_layer(tiny(GraniteConfig, logits_scaling=4.0))
+        check_output_layer(tiny_causal_lm(GraniteConfig, logits_scaling=4.0))
 
 
 def test_evaluation_is_the_same_whatever_the_token_budget():
-    model = tiny()
+    model = tiny_causal_lm()
     batch = padded_batch()
     lengths = batch["attention_mask"].sum(1).tolist()
     for budget in (1, 24, 40, 10_000):
@@ -151,7 +132,7 @@ def test_evaluation_is_the_same_whatever_the_token_budget():
 
 @pytest.mark.parametrize("config_class", [LlamaConfig, Gemma2Config])
 def test_a_prompt_run_once_for_its_replies_scores_them_as_whole_rows_do(config_class):
-    model = tiny(config_class)
+    model = tiny_causal_lm(config_class)
     generator = torch.Generator().manual_seed(2)
 
     def tokens(n):
@@ -188,7 +169,7 @@ class Tokenizer:
 
 
 def test_greedy_replies_are_the_same_whatever_the_token_budget():
-    model = tiny(initializer_range=0.2)  # weights far from 0 keep the greedy choice clear of near-ties
+    model = tiny_causal_lm(initializer_range=0.2)  # weights far from 0 keep the greedy choice clear of near-ties
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(8, VOCAB, (n,), generator=generator).tolist() for n in (5, 9, 3, 6)]
     index = torch.tensor([2, 0, 4, 1, 3])  # example 4 has no prompt: no reply

@@ -2,7 +2,7 @@ import logging
 
 import pytest
 import torch
-from conftest import snapshot
+from helpers import snapshot
 from safetensors.torch import save_file
 
 from finetune.checkpoint import (

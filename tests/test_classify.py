@@ -10,16 +10,16 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import (
-    FAST_FLAGS,
-    accelerate_cmd,
-    data_flags,
+from helpers import (
+    classify_flags,
+    launch_cmd,
+    log_history,
     max_weight_diff,
     read_results,
     read_weights,
     run,
     tensorboard_scalars,
-    torchrun_cmd,
+    train_here,
 )
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -47,6 +47,7 @@ def read_predictions(folder: Path) -> list[str]:
     return [json.loads(line)["prediction"] for line in (folder / "eval_predictions.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_default_run_trains_offline_and_saves_a_plain_model(tmp_path):
     out = tmp_path / "out"
     result = run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
@@ -71,10 +72,11 @@ def test_default_run_trains_offline_and_saves_a_plain_model(tmp_path):
     assert accuracy == pytest.approx(results["eval_accuracy"], abs=1e-12)
 
 
-def test_a_thread_count_the_user_chose_is_kept(small_data, tmp_path):
+def test_a_thread_count_the_user_chose_is_kept(small_data, tiny_bert, tmp_path):
     result = run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
-                  "--num_cpu_threads_per_process", "1", "recipes/classify.py", *data_flags(small_data), *FAST_FLAGS,
-                  "--max_train_steps", "1", "--output_dir", str(tmp_path / "out")])
+                  "--num_cpu_threads_per_process", "1", "recipes/classify.py",
+                  *classify_flags(small_data, tiny_bert, "--max_train_steps", "1",
+                                  "--output_dir", str(tmp_path / "out"))])
     assert "1 process(es) on cpu, 1 CPU thread(s) each" in result.stdout
 
 
@@ -96,13 +98,13 @@ def test_two_processes_evaluate_exactly_like_one(parity_runs, small_data):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 # Each launcher once, each sampler once: the sampler is the same code under both launchers.
 @pytest.mark.parametrize(("launcher", "group_by_length"), [("accelerate", True), ("torchrun", False)])
 def test_each_process_gets_a_disjoint_shard_covering_every_example(tmp_path, launcher, group_by_length):
     flags = [str(tmp_path), "--per_device_train_batch_size", "4"]
     flags += [] if group_by_length else ["--no_group_by_length"]
-    launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
-    run(launch(*flags, script="tests/scripts/record_batches.py"))
+    run(launch_cmd(launcher, *flags, script="tests/scripts/record_batches.py"))
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     for epoch in range(2):
@@ -112,16 +114,16 @@ def test_each_process_gets_a_disjoint_shard_covering_every_example(tmp_path, lau
     assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1], "each epoch has its own shuffle"
 
 
-def test_resume_mid_epoch_two_gives_the_uninterrupted_weights(small_data, tmp_path):
-    common = [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "4",
-              "--gradient_accumulation_steps", "2", "--num_train_epochs", "3", "--seed", "7"]
+def test_resume_mid_epoch_two_gives_the_uninterrupted_weights(small_data, tiny_bert, tmp_path):
+    common = classify_flags(small_data, tiny_bert, "--per_device_train_batch_size", "4",
+                            "--gradient_accumulation_steps", "2", "--num_train_epochs", "3", "--seed", "7")
     full = tmp_path / "full"
     # Dropout stays on: resuming must restore the RNG state too.
-    run([sys.executable, "recipes/classify.py", *common, "--output_dir", str(full), "--checkpointing_steps", "4",
-         "--checkpoints_total_limit", "2", "--with_tracking", "--report_to", "tensorboard"])
+    train_here("classify", *common, "--output_dir", str(full), "--checkpointing_steps", "4",
+               "--checkpoints_total_limit", "2", "--with_tracking", "--report_to", "tensorboard")
     checkpoints = sorted(p.name for p in (full / "checkpoints").iterdir())
     assert checkpoints == ["step_12", "step_16"], "the limit keeps the newest two"
-    history = [json.loads(line) for line in (full / "log_history.jsonl").read_text().splitlines()]
+    history = log_history(full)
     logged = tensorboard_scalars(full)
     for key in ("loss", "learning_rate", "grad_norm"):  # each step's values, as TensorBoard reads them back
         assert [(e.step, e.value) for e in logged[key]] == [
@@ -133,23 +135,23 @@ def test_resume_mid_epoch_two_gives_the_uninterrupted_weights(small_data, tmp_pa
     assert progress["epoch"] == 2 and progress["batches_in_epoch"] == 8
 
     resumed = tmp_path / "resumed"
-    result = run([sys.executable, "recipes/classify.py", *common, "--output_dir", str(resumed),
-                  "--resume_from_checkpoint", str(full / "checkpoints" / "step_16")])
+    result = train_here("classify", *common, "--output_dir", str(resumed),
+                        "--resume_from_checkpoint", str(full / "checkpoints" / "step_16"))
     assert "resumed from" in result.stdout
     assert max_weight_diff(full, resumed) == 0.0
     assert read_results(resumed)["eval_accuracy"] == read_results(full)["eval_accuracy"]
+    assert log_history(resumed)[0]["loss"] == history[16]["loss"], "dropout drew the uninterrupted run's masks"
 
 
-def test_resuming_from_the_final_checkpoint_saves_the_same_model(small_data, tmp_path):
-    common = [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "8", "--num_train_epochs", "1"]
+def test_resuming_from_the_final_checkpoint_saves_the_same_model(small_data, tiny_bert, tmp_path):
+    common = classify_flags(small_data, tiny_bert, "--per_device_train_batch_size", "8", "--num_train_epochs", "1")
     first = tmp_path / "first"
-    run([sys.executable, "recipes/classify.py", *common, "--output_dir", str(first), "--checkpointing_steps", "epoch"])
+    train_here("classify", *common, "--output_dir", str(first), "--checkpointing_steps", "epoch")
     final_checkpoint = first / "checkpoints" / "step_6"  # 42 examples in batches of 8: 6 steps
     assert json.loads((final_checkpoint / "progress.json").read_text())["epoch"] == 1
 
     again = tmp_path / "again"
-    run([sys.executable, "recipes/classify.py", *common, "--output_dir", str(again),
-         "--resume_from_checkpoint", str(final_checkpoint)])
+    train_here("classify", *common, "--output_dir", str(again), "--resume_from_checkpoint", str(final_checkpoint))
     assert max_weight_diff(first, again) == 0.0
     assert read_predictions(again) == read_predictions(first)
     assert read_results(again)["global_step"] == 6

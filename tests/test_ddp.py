@@ -6,16 +6,16 @@ import json
 import time
 
 import pytest
-from conftest import (
-    FAST_FLAGS,
-    RECIPE,
-    accelerate_cmd,
+from helpers import (
+    assert_same_steps,
     assert_same_training,
     assert_weights_match_a_parity_run,
-    data_flags,
+    classify_flags,
+    launch_cmd,
     log_history,
     parity_flags,
     read_results,
+    recipe_path,
     run,
     torchrun_cmd,
 )
@@ -26,7 +26,7 @@ METRICS = ("eval_accuracy", "eval_f1")
 
 
 def test_torchrun_selects_raw_ddp_and_matches_accelerate(parity_runs):
-    # Dropout is off in these runs (see conftest.no_dropout_model): the comparison is of arithmetic.
+    # Dropout is off in these runs (conftest.parity_runs): the comparison is of arithmetic.
     accelerate, ddp = parity_runs("accelerate", 2, 4), parity_runs("torchrun", 2, 4)
     ddp_results, accelerate_results = read_results(ddp), read_results(accelerate)
     assert (ddp_results["runtime"], ddp_results["world_size"]) == ("ddp", 2)
@@ -39,6 +39,7 @@ def test_torchrun_selects_raw_ddp_and_matches_accelerate(parity_runs):
                 if k.startswith("module.")]
 
 
+@pytest.mark.slow
 # The batch plan (grouped or not) is the sampler's, the same under both launchers: ungrouped runs once.
 @pytest.mark.parametrize(("launcher", "group_by_length"),
                          [("accelerate", True), ("torchrun", True), ("torchrun", False)],
@@ -51,14 +52,14 @@ def test_one_process_with_batch_2b_equals_two_with_batch_b(parity_runs, launcher
     assert_same_training(one, two)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
-def test_no_gradient_all_reduce_on_accumulation_micro_steps(small_data, tmp_path, launcher):
+def test_no_gradient_all_reduce_on_accumulation_micro_steps(small_data, tiny_bert, tmp_path, launcher):
     reports = tmp_path / "reports"
     reports.mkdir()
-    flags = [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "4",
-             "--gradient_accumulation_steps", "3", "--num_train_epochs", "1", "--output_dir", str(tmp_path / "out")]
-    launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
-    run(launch(str(reports), RECIPE, *flags, script="tests/scripts/count_all_reduces.py"))
+    flags = classify_flags(small_data, tiny_bert, "--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
+                           "3", "--num_train_epochs", "1", "--output_dir", str(tmp_path / "out"))
+    run(launch_cmd(launcher, str(reports), recipe_path(), *flags, script="tests/scripts/count_all_reduces.py"))
     for rank in range(2):
         report = json.loads((reports / f"rank_{rank}.json").read_text())
         # 42 examples in global batches of 8: 6 micro-steps, optimizer steps after the 3rd and the 6th.
@@ -66,13 +67,14 @@ def test_no_gradient_all_reduce_on_accumulation_micro_steps(small_data, tmp_path
         assert report["all_reduces"] and set(report["all_reduces"]) == {3, 6}, report
 
 
-def test_eval_metrics_are_identical_for_world_sizes_1_2_3(small_data, no_dropout_model, tmp_path):
+@pytest.mark.slow
+def test_eval_metrics_are_identical_for_world_sizes_1_2_3(small_data, tiny_bert_without_dropout, tmp_path):
     results = []
     for world_size, batch in ((1, 6), (2, 3), (3, 2)):  # the same global batch, so the same training
         out = tmp_path / f"ws{world_size}"
-        run(torchrun_cmd(*data_flags(small_data), *FAST_FLAGS, "--model_name_or_path", str(no_dropout_model),
-                         "--per_device_train_batch_size", str(batch), "--per_device_eval_batch_size", "4",
-                         "--max_train_steps", "2", "--output_dir", str(out), nproc=world_size))
+        run(torchrun_cmd(*classify_flags(small_data, tiny_bert_without_dropout, "--per_device_train_batch_size",
+                                         str(batch), "--max_train_steps", "2", "--output_dir", str(out)),
+                         nproc=world_size))
         results.append(read_results(out))
     assert [r["world_size"] for r in results] == [1, 2, 3]
     for r in results[1:]:
@@ -80,39 +82,37 @@ def test_eval_metrics_are_identical_for_world_sizes_1_2_3(small_data, no_dropout
         assert r["eval_loss"] == pytest.approx(results[0]["eval_loss"], abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("written_by", "resumed_by"), [("accelerate", "torchrun"), ("torchrun", "accelerate")])
-def test_a_checkpoint_resumes_under_the_other_runtime(parity_runs, small_data, no_dropout_model, tmp_path,
+def test_a_checkpoint_resumes_under_the_other_runtime(parity_runs, small_data, tiny_bert_without_dropout, tmp_path,
                                                       written_by, resumed_by):
     """The resumed run goes on from step 4 and logs steps 5 to 9 as the uninterrupted run under its own runtime
     does: a run that ignored the checkpoint would log steps 1 to 9, with other losses."""
     checkpoint = parity_runs(written_by, 2, 4) / "checkpoints" / "step_4"  # one step into the second epoch
     resumed = tmp_path / "resumed"
-    launch = accelerate_cmd if resumed_by == "accelerate" else torchrun_cmd
-    result = run(launch(*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(resumed),
-                        "--resume_from_checkpoint", str(checkpoint)))
+    result = run(launch_cmd(resumed_by, *parity_flags(small_data, tiny_bert_without_dropout, 4), "--output_dir",
+                            str(resumed), "--resume_from_checkpoint", str(checkpoint)))
     assert f"resumed from {checkpoint} at step 4" in result.stdout
     assert read_results(resumed)["runtime"] == ("accelerate" if resumed_by == "accelerate" else "ddp")
     reference = parity_runs(resumed_by, 2, 4)
-    history, expected = log_history(resumed), log_history(reference)[4:]
-    assert [h["step"] for h in history] == [h["step"] for h in expected] == [5, 6, 7, 8, 9]
-    for ours, theirs in zip(history, expected, strict=True):
-        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
-        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    assert [h["step"] for h in log_history(resumed)] == [5, 6, 7, 8, 9]
+    assert_same_steps(log_history(resumed), log_history(reference)[4:])
     assert_weights_match_a_parity_run(reference, resumed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["ddp", "accelerate"])
 def test_a_rank_that_raises_ends_the_whole_job(tmp_path, runtime):
-    launch = torchrun_cmd if runtime == "ddp" else accelerate_cmd
     start = time.monotonic()
-    result = run(launch("--ddp_timeout", "60", "--runtime", runtime, script="tests/scripts/failing_rank.py"),
-                 check=False, timeout=120)
+    result = run(launch_cmd("torchrun" if runtime == "ddp" else "accelerate", "--ddp_timeout", "60", "--runtime",
+                            runtime, script="tests/scripts/failing_rank.py"), check=False, timeout=120)
     assert result.returncode != 0
     assert time.monotonic() - start < 60, "every rank ended within --ddp_timeout"
     output = result.stdout + result.stderr
     assert len([line for line in output.splitlines() if "RuntimeError: rank 1 failed on purpose" in line]) == 1
 
 
+@pytest.mark.slow
 def test_the_readme_example_script_trains_under_torchrun(tmp_path):
     out = tmp_path / "model"
     result = run(torchrun_cmd(str(out), script="examples/raw_ddp.py"))
@@ -121,10 +121,10 @@ def test_the_readme_example_script_trains_under_torchrun(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_outputs_of_different_lengths_are_gathered_once_each_in_order(tmp_path, launcher):
-    launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
-    run(launch(str(tmp_path), script="tests/scripts/gather_variable.py"))
+    run(launch_cmd(launcher, str(tmp_path), script="tests/scripts/gather_variable.py"))
     gathered = json.loads((tmp_path / "gathered.json").read_text())
     assert gathered["world_size"] == 2
     assert gathered["rows"] == [[i] * ((i * 5) % 11 + 1) for i in range(23)]

@@ -6,43 +6,39 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    HUB_TOKEN,
-    REPO,
-    accelerate_cmd,
-    assert_refused,
-    load_recipe,
-    read_results,
-    run,
-    tokenizing,
-    torchrun_cmd,
-)
 from datasets import Dataset
+from helpers import (
+    HUB_TOKEN,
+    assert_refused,
+    log_history,
+    python_cmd,
+    read_jsonl,
+    read_results,
+    recipe_path,
+    run,
+    run_on,
+    timeless_history,
+    tokenizing,
+    write_jsonl,
+)
 from safetensors.torch import load_file
-from test_sft import jsonl, make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.batching import TokenizedDataset
 from finetune.default_preferences import make_preference_pairs
-from finetune.models import default_chat_model_path
 from finetune.preference import PairCollator, load_causal_lm, pair_log_probs, tokenize_pairs
 
-RECIPE = str(REPO / "recipes" / "dpo.py")
-SFT_RECIPE = str(REPO / "recipes" / "sft.py")
 METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
            "logps_rejected")
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    """A random 2-layer Llama with SmolLM2's tokenizer and chat template."""
-    tokenizer = AutoTokenizer.from_pretrained(default_chat_model_path())
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_dpo_model"), tokenizer, initializer_range=0.05)
+@pytest.fixture
+def tiny_model(tiny_chat_model_with_distinct_replies) -> Path:
+    return tiny_chat_model_with_distinct_replies
 
 
 @pytest.fixture(scope="session")
@@ -54,36 +50,20 @@ def pair_files(tmp_path_factory) -> list[str]:
     def rows(split, count):
         return [{k: row[k] for k in ("prompt", "chosen", "rejected")} for row in data[split].select(range(count))]
 
-    return ["--train_file", jsonl(folder / "train.jsonl", rows("train", 20)),
-            "--validation_file", jsonl(folder / "validation.jsonl", rows("validation", 9)),
+    return ["--train_file", write_jsonl(folder / "train.jsonl", rows("train", 20)),
+            "--validation_file", write_jsonl(folder / "validation.jsonl", rows("validation", 9)),
             "--per_device_eval_batch_size", "4", "--logging_steps", "1", "--lora_dropout", "0"]
-
-
-def run_tiny(out: Path, model: Path, pair_files: list[str], *flags, launcher=None, processes=1, env=None):
-    common = [*pair_files, "--model_name_or_path", str(model), "--output_dir", str(out), *flags]
-    if launcher == "torchrun":
-        return run(torchrun_cmd(*common, nproc=processes, script=RECIPE))
-    if launcher == "accelerate":
-        return run(accelerate_cmd(*common, num_processes=processes, script=RECIPE))
-    return run([sys.executable, RECIPE, *common], env=env)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def history(out: Path) -> list[dict]:
-    return read_jsonl(out / "log_history.jsonl")
 
 
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory) -> tuple[Path, str]:
     """The recipe with no flags but the output folder, once per session: (output folder, stdout)."""
     out = tmp_path_factory.mktemp("dpo_default") / "out"
-    result = run([sys.executable, RECIPE, "--output_dir", str(out)], timeout=600)
+    result = run(python_cmd("--output_dir", str(out), script=recipe_path("dpo")), timeout=600)
     return out, result.stdout
 
 
+@pytest.mark.slow
 def test_the_default_run_rewards_the_right_team_on_tickets_it_never_saw(default_run):
     out, stdout = default_run
     results = read_results(out)
@@ -100,7 +80,7 @@ def test_the_default_run_rewards_the_right_team_on_tickets_it_never_saw(default_
     assert results["eval_rewards_accuracy"] == sum(m > 0 for m in margins) / 32
     assert results["eval_logps_chosen"] == pytest.approx(sum(p["policy_logps_chosen"] for p in predictions) / 32,
                                                          rel=1e-5)
-    logged = history(out)
+    logged = log_history(out)
     assert [h["step"] for h in logged] == [10, 15] and all(set(METRICS) <= h.keys() for h in logged)
 
 
@@ -124,10 +104,10 @@ def test_the_first_step_logs_ln_2_and_zero_rewards_and_a_frozen_copy_is_the_refe
     cut = sum(len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"])) > limit for row in full)
     assert 0 < cut < 20
     out = tmp_path / "out"
-    result = run_tiny(out, tiny_model, pair_files, "--max_train_steps", "2", "--no_use_lora", "--learning_rate",
-                      "1e-3", "--per_device_train_batch_size", "4", "--max_seq_length", str(limit))
+    result = run_on("dpo", tiny_model, pair_files, out, "--max_train_steps", "2", "--no_use_lora", "--learning_rate",
+                    "1e-3", "--per_device_train_batch_size", "4", "--max_seq_length", str(limit))
     assert f"20 examples ({cut} cut to --max_seq_length {limit})" in result.stdout
-    first, second = history(out)
+    first, second = log_history(out)
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-7)
     assert all(first[name] == 0.0 for name in ("rewards_chosen", "rewards_rejected", "rewards_margin",
                                                "rewards_accuracy"))
@@ -139,21 +119,22 @@ PARITY_FLAGS = ["--gradient_accumulation_steps", "2", "--num_train_epochs", "2",
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, pair_files, tmp_path):
     """A pair is the loss unit: the mean over the pairs of a whole window on all ranks, so 1 x 4 equals 2 x 2. The
     torchrun run precomputes its reference, each pair on one of the two processes."""
     outs = {"one": tmp_path / "one", "accelerate": tmp_path / "accelerate", "torchrun": tmp_path / "torchrun"}
-    run_tiny(outs["one"], tiny_model, pair_files, *PARITY_FLAGS, "--per_device_train_batch_size", "4",
-             launcher="accelerate", processes=1)
+    run_on("dpo", tiny_model, pair_files, outs["one"], *PARITY_FLAGS, "--per_device_train_batch_size", "4",
+           launcher="accelerate", processes=1)
     for launcher, extra in (("accelerate", []), ("torchrun", ["--precompute_ref_log_probs"])):
-        run_tiny(outs[launcher], tiny_model, pair_files, *PARITY_FLAGS, *extra, "--per_device_train_batch_size", "2",
-                 launcher=launcher, processes=2)
-    reference = history(outs["one"])
+        run_on("dpo", tiny_model, pair_files, outs[launcher], *PARITY_FLAGS, *extra, "--per_device_train_batch_size",
+               "2", launcher=launcher, processes=2)
+    reference = log_history(outs["one"])
     assert [h["step"] for h in reference] == list(range(1, 7))  # 20 pairs, windows of 8, 2 epochs
     assert load_file(outs["torchrun"] / "ref_log_probs.safetensors")["log_probs"].shape == (20, 2)
     adapter = load_file(outs["one"] / "adapter_model.safetensors")
     for launcher in ("accelerate", "torchrun"):
-        ours = history(outs[launcher])
+        ours = log_history(outs[launcher])
         assert [h["step"] for h in ours] == [h["step"] for h in reference]
         for a, b in zip(ours, reference, strict=True):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
@@ -178,7 +159,7 @@ def test_a_resumed_run_with_a_precomputed_reference_ends_where_an_uninterrupted_
         tiny_model, pair_files, tmp_path):
     flags = ["--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
              "--checkpointing_steps", "4"]
-    run_tiny(tmp_path / "full", tiny_model, pair_files, *flags, "--precompute_ref_log_probs")
+    run_on("dpo", tiny_model, pair_files, tmp_path / "full", *flags, "--precompute_ref_log_probs")
     # the run as it was when stopped after step 4's checkpoint, continued in its own folder
     shutil.copytree(tmp_path / "full" / "checkpoints" / "step_4", tmp_path / "resumed" / "checkpoints" / "step_4")
     shutil.copy2(tmp_path / "full" / "ref_log_probs.safetensors", tmp_path / "resumed")
@@ -186,21 +167,20 @@ def test_a_resumed_run_with_a_precomputed_reference_ends_where_an_uninterrupted_
     (tmp_path / "resumed" / "log_history.jsonl").write_text("".join(logged[:4]))
     stored = tmp_path / "resumed" / "ref_log_probs.safetensors"
     written = stored.stat().st_mtime_ns
-    run_tiny(tmp_path / "resumed", tiny_model, pair_files, *flags, "--precompute_ref_log_probs",
-             "--resume_from_checkpoint", str(tmp_path / "resumed" / "checkpoints" / "step_4"))
+    run_on("dpo", tiny_model, pair_files, tmp_path / "resumed", *flags, "--precompute_ref_log_probs",
+           "--resume_from_checkpoint", str(tmp_path / "resumed" / "checkpoints" / "step_4"))
     assert stored.stat().st_mtime_ns == written, "read, not computed again (computing writes it)"
     full = load_file(tmp_path / "full" / "adapter_model.safetensors")
     resumed = load_file(tmp_path / "resumed" / "adapter_model.safetensors")
     assert all(torch.equal(full[k], resumed[k]) for k in full)
-    timeless = [[{k: v for k, v in h.items() if k != "samples_per_second"} for h in history(tmp_path / name)]
-                for name in ("resumed", "full")]
-    assert timeless[0] == timeless[1] and len(timeless[1]) == 10
+    assert timeless_history(tmp_path / "resumed") == timeless_history(tmp_path / "full")
+    assert len(log_history(tmp_path / "full")) == 10
     # The live reference trains the same way. The precomputed one comes from batches of other shapes, which round
     # sums of about -150 differently (1e-5): at step 1 its rewards are that far from 0, of either sign, so the share
     # of pairs with a positive margin is compared from step 2 on, when margins are far larger.
-    run_tiny(tmp_path / "live", tiny_model, pair_files, *flags)
+    run_on("dpo", tiny_model, pair_files, tmp_path / "live", *flags)
     assert len(load_file(stored)["log_probs"]) == 20
-    for a, b in zip(history(tmp_path / "live"), history(tmp_path / "full"), strict=True):
+    for a, b in zip(log_history(tmp_path / "live"), log_history(tmp_path / "full"), strict=True):
         for name in METRICS:
             if name != "rewards_accuracy" or a["step"] > 1:
                 assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-5), (name, a, b)
@@ -211,10 +191,9 @@ def test_a_chat_run_s_adapter_is_the_start_and_the_reference(tiny_model, pair_fi
     sft_out = tmp_path / "sft"
     chats = tmp_path / "chats.jsonl"
     conversations = [{"messages": [*row["prompt"], *row["chosen"]]} for row in make_preference_pairs()["train"]]
-    jsonl(chats, conversations[:16])
-    run([sys.executable, SFT_RECIPE, "--train_file", str(chats), "--validation_file", str(chats),
-         "--model_name_or_path", str(tiny_model), "--output_dir", str(sft_out), "--max_train_steps", "3",
-         "--learning_rate", "1e-2", "--eval_generate", "0"])
+    write_jsonl(chats, conversations[:16])
+    run_on("sft", tiny_model, ["--train_file", str(chats), "--validation_file", str(chats)], sft_out,
+           "--max_train_steps", "3", "--learning_rate", "1e-2", "--eval_generate", "0")
     # The pairs as whole conversations with no prompt column, in parquet: the same tokens (test_preference.py).
     conversation_files = []
     for flag, path in zip(pair_files[0:4:2], pair_files[1:4:2], strict=True):
@@ -224,7 +203,7 @@ def test_a_chat_run_s_adapter_is_the_start_and_the_reference(tiny_model, pair_fi
         whole.to_parquet(tmp_path / Path(path).with_suffix(".parquet").name)
         conversation_files += [flag, str(tmp_path / Path(path).with_suffix(".parquet").name)]
     out = tmp_path / "dpo"
-    result = run_tiny(out, sft_out, [*conversation_files, *pair_files[4:]], "--max_train_steps", "1")
+    result = run_on("dpo", sft_out, [*conversation_files, *pair_files[4:]], out, "--max_train_steps", "1")
     assert f"from {sft_out} folded into its base model" in result.stdout
     validation = Dataset.from_json(pair_files[3])
     tokenizer = AutoTokenizer.from_pretrained(sft_out)
@@ -243,9 +222,9 @@ def test_a_chat_run_s_adapter_is_the_start_and_the_reference(tiny_model, pair_fi
 
 
 def test_the_hub_gets_a_card_that_says_dpo_and_replies_are_generated_when_asked(hub, tiny_model, pair_files, tmp_path):
-    run_tiny(tmp_path / "out", tiny_model, pair_files, "--max_train_steps", "1", "--eval_generate", "2",
-             "--max_new_tokens", "4", "--push_to_hub", "--hub_model_id", "alice/support-dpo", "--hub_token", HUB_TOKEN,
-             "--hub_strategy", "end", env=hub.env)
+    run_on("dpo", tiny_model, pair_files, tmp_path / "out", "--max_train_steps", "1", "--eval_generate", "2",
+           "--max_new_tokens", "4", "--push_to_hub", "--hub_model_id", "alice/support-dpo", "--hub_token", HUB_TOKEN,
+           "--hub_strategy", "end", launcher="python", env=hub.env)
     files = hub.files("alice/support-dpo")
     card = files["README.md"].decode()
     assert "for preference tuning (DPO)" in card and "recipes/dpo.py" in card and "eval_rewards_accuracy" in card
@@ -281,11 +260,11 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_is_one_error_line_and_changes_nothing(tiny_model, tmp_path, capsys, case):
+def test_bad_input_is_one_error_line_and_changes_nothing(tiny_model, tmp_path, case):
     train, validation, expected, *extra_flags = BAD[case]
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("kept")
-    flags = ["--train_file", jsonl(tmp_path / "train.jsonl", train or GOOD), "--validation_file",
-             jsonl(tmp_path / "validation.jsonl", validation or GOOD), "--output_dir", str(tmp_path / "out"),
+    flags = ["--train_file", write_jsonl(tmp_path / "train.jsonl", train or GOOD), "--validation_file",
+             write_jsonl(tmp_path / "validation.jsonl", validation or GOOD), "--output_dir", str(tmp_path / "out"),
              "--model_name_or_path", str(tiny_model), "--max_seq_length", "64", *extra_flags]
-    assert_refused(load_recipe("dpo").main, flags, tmp_path, capsys, expected)
+    assert_refused("dpo", flags, tmp_path, expected)

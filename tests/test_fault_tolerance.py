@@ -6,41 +6,49 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST_FLAGS, REPO, data_flags, max_weight_diff, parity_flags, read_results, run, torchrun_cmd
+from helpers import (
+    FAST_FLAGS,
+    REPO,
+    accelerate_cmd,
+    assert_weights_match_a_parity_run,
+    classify_flags,
+    data_flags,
+    max_weight_diff,
+    one_error_line,
+    parity_flags,
+    python_cmd,
+    read_results,
+    run,
+    torchrun_cmd,
+    train_here,
+    wait_for,
+    workers,
+)
 
 from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
 
 
-def training_flags(small_data, out) -> list[str]:
+def training_flags(small_data, model, out) -> list[str]:
     # 42 examples in batches of 8: 6 steps an epoch, 12 in all; a checkpoint every 2 steps.
-    return [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "8", "--num_train_epochs", "2",
-            "--checkpointing_steps", "2", "--output_dir", str(out)]
+    return classify_flags(small_data, model, "--per_device_train_batch_size", "8", "--num_train_epochs", "2",
+                          "--checkpointing_steps", "2", "--output_dir", str(out))
 
 
-def wait_for(path, process, timeout=120.0, interval=0.002):
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert process.poll() is None, "the run ended before reaching the point to kill it"
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(interval)
-
-
-def test_a_kill_while_a_checkpoint_is_written_loses_nothing(small_data, tmp_path):
+def test_a_kill_while_a_checkpoint_is_written_loses_nothing(small_data, tiny_bert, tmp_path):
     uninterrupted = tmp_path / "uninterrupted"
-    run([sys.executable, "recipes/classify.py", *training_flags(small_data, uninterrupted)])
+    train_here("classify", *training_flags(small_data, tiny_bert, uninterrupted))
 
     out = tmp_path / "out"
-    command = [sys.executable, "recipes/classify.py", *training_flags(small_data, out)]
-    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    flags = training_flags(small_data, tiny_bert, out)
+    job = subprocess.Popen(python_cmd(*flags), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)
     partial = out / "checkpoints" / "step_6.partial"
     # The weights land first; the optimizer state and the manifest follow. Freeze the job there.
-    wait_for(partial / "model.safetensors", job)
+    wait_for((partial / "model.safetensors").exists, "step 6's weights", job, interval=0.001)
     os.killpg(job.pid, signal.SIGSTOP)
     assert not (partial / "manifest.json").exists() and not (out / "checkpoints" / "step_6").exists()
     os.killpg(job.pid, signal.SIGKILL)
@@ -51,17 +59,17 @@ def test_a_kill_while_a_checkpoint_is_written_loses_nothing(small_data, tmp_path
     assert latest.name == "step_4", "a partial checkpoint is never taken for a complete one"
     verify_checkpoint(latest)
 
-    resumed = run(command + ["--resume_from_checkpoint", "latest"])
+    resumed = train_here("classify", *flags, "--resume_from_checkpoint", "latest")
     assert "resumed from" in resumed.stdout and "step_4" in resumed.stdout
     assert not partial.exists()
     assert max_weight_diff(uninterrupted, out) == 0.0
 
 
 @pytest.fixture(scope="module")
-def two_steps(small_data, tmp_path_factory):
+def two_steps(small_data, tiny_bert, tmp_path_factory):
     """A one-process run of 2 steps (global batch 8) with its checkpoint; each test works on a copy."""
     out = tmp_path_factory.mktemp("two_steps") / "out"
-    run([sys.executable, "recipes/classify.py", *training_flags(small_data, out), "--max_train_steps", "2"])
+    train_here("classify", *training_flags(small_data, tiny_bert, out), "--max_train_steps", "2")
     return out
 
 
@@ -70,20 +78,20 @@ def copy_of(run_folder: Path, tmp_path: Path) -> Path:
     return tmp_path / "out"
 
 
-def test_a_damaged_checkpoint_is_refused_by_name(small_data, two_steps, tmp_path):
+def test_a_damaged_checkpoint_is_refused_by_name(small_data, tiny_bert, two_steps, tmp_path):
     out = copy_of(two_steps, tmp_path)
     optimizer = out / "checkpoints" / "step_2" / "optimizer.bin"
     optimizer.write_bytes(optimizer.read_bytes()[:1000])
-    result = run([sys.executable, "recipes/classify.py", *training_flags(small_data, out),
-                  "--resume_from_checkpoint", str(out / "checkpoints" / "step_2")], check=False)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"checkpoint file {optimizer} is damaged" in result.stderr.strip().splitlines()[-1]
+    result = train_here("classify", *training_flags(small_data, tiny_bert, out), "--resume_from_checkpoint",
+                        str(out / "checkpoints" / "step_2"), check=False)
+    one_error_line(result.returncode, result.stderr, f"checkpoint file {optimizer} is damaged")
 
 
 @pytest.mark.multiprocess
-def test_resuming_with_another_global_batch_stops_with_the_numbers_to_use(small_data, two_steps, tmp_path):
+@pytest.mark.slow
+def test_resuming_with_another_global_batch_stops_with_the_numbers_to_use(small_data, tiny_bert, two_steps, tmp_path):
     out = copy_of(two_steps, tmp_path)
-    result = run(torchrun_cmd(*training_flags(small_data, out), "--resume_from_checkpoint",
+    result = run(torchrun_cmd(*training_flags(small_data, tiny_bert, out), "--resume_from_checkpoint",
                               str(out / "checkpoints" / "step_2")),
                  check=False)
     assert result.returncode != 0
@@ -95,24 +103,19 @@ def test_resuming_with_another_global_batch_stops_with_the_numbers_to_use(small_
 
 def kill_rank_after(job: subprocess.Popen, checkpoint, rank: int = 1) -> None:
     """SIGKILL the worker process of ``rank`` once ``checkpoint`` exists."""
-    import psutil
-
-    wait_for(checkpoint, job)
-    workers = [p for p in psutil.Process(job.pid).children(recursive=True)
-               if p.environ().get("RANK") == str(rank) and "classify.py" in " ".join(p.cmdline())]
-    assert len(workers) == 1, workers
-    workers[0].send_signal(signal.SIGKILL)
+    wait_for(checkpoint.exists, str(checkpoint), job)
+    (worker,) = workers(job, rank=rank)
+    worker.send_signal(signal.SIGKILL)
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_a_killed_worker_is_restarted_and_the_job_finishes_as_if_never_killed(
-    parity_runs, small_data, no_dropout_model, tmp_path, launcher
+    parity_runs, small_data, tiny_bert_without_dropout, tmp_path, launcher
 ):
-    from conftest import accelerate_cmd, assert_weights_match_a_parity_run, parity_flags
-
     out = tmp_path / "out"
-    flags = [*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(out)]
+    flags = [*parity_flags(small_data, tiny_bert_without_dropout, 4), "--output_dir", str(out)]
     if launcher == "torchrun":
         command = torchrun_cmd(*flags)
         command.insert(command.index("--nproc_per_node"), "--max-restarts=1")
@@ -131,12 +134,11 @@ def test_a_killed_worker_is_restarted_and_the_job_finishes_as_if_never_killed(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["ddp", "accelerate"])
 def test_a_save_slower_than_the_timeout_on_rank_0_does_not_abort_the_others(small_data, tmp_path, runtime):
-    """Rank 0 is frozen (SIGSTOP) once it starts writing the final model, for twice the collective timeout."""
-    import psutil
-    from conftest import accelerate_cmd
-
+    """Rank 0 is frozen (SIGSTOP) once it starts writing the final model, for twice the collective timeout. (The
+    default MiniLM, whose final save is long enough to catch.)"""
     out = tmp_path / "out"
     timeout = 4
     launch = torchrun_cmd if runtime == "ddp" else accelerate_cmd
@@ -145,12 +147,8 @@ def test_a_save_slower_than_the_timeout_on_rank_0_does_not_abort_the_others(smal
                                   "--max_train_steps", "2", "--output_dir", str(out), "--ddp_timeout", str(timeout),
                                   "--runtime", runtime),
                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while not (rank_0 := [p for p in psutil.Process(job.pid).children(recursive=True)
-                          if p.environ().get("RANK") == "0" and "classify.py" in " ".join(p.cmdline())]):
-        assert job.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
-    wait_for(out / ".final.partial", job, timeout=300, interval=0.001)
+    rank_0 = wait_for(lambda: workers(job, rank=0), "rank 0's process", job)
+    wait_for((out / ".final.partial").exists, "the final save", job, interval=0.001)
     rank_0[0].send_signal(signal.SIGSTOP)
     time.sleep(2 * timeout)
     alive = job.poll() is None
@@ -173,50 +171,43 @@ class _TouchOnLoad:
         return (Path.touch, (Path(self.path),))
 
 
-def test_a_checkpoint_file_that_would_run_code_is_refused(small_data, two_steps, tmp_path):
+def test_a_checkpoint_file_that_would_run_code_is_refused(small_data, tiny_bert, two_steps, tmp_path):
     import hashlib
     import json
 
     import torch
 
     out, marker = copy_of(two_steps, tmp_path), tmp_path / "code-ran"
-    flags = training_flags(small_data, out)
+    flags = training_flags(small_data, tiny_bert, out)
     checkpoint = out / "checkpoints" / "step_2"
     torch.save({"state": _TouchOnLoad(marker), "param_groups": []}, checkpoint / "optimizer.bin")
     manifest = json.loads((checkpoint / "manifest.json").read_text())  # consistent, as an attacker would make it
     manifest["files"]["optimizer.bin"] = hashlib.sha256((checkpoint / "optimizer.bin").read_bytes()).hexdigest()
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
-    result = run([sys.executable, "recipes/classify.py", *flags, "--resume_from_checkpoint", str(checkpoint)],
-                 check=False)
+    result = train_here("classify", *flags, "--resume_from_checkpoint", str(checkpoint), check=False)
     assert not marker.exists(), "loading ran code from the checkpoint"
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "loading it could run code" in result.stderr.strip().splitlines()[-1]
+    one_error_line(result.returncode, result.stderr, "loading it could run code")
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_restart_before_overwrite_output_dir_acts_never_resumes_the_run_being_replaced(
-        parity_runs, small_data, no_dropout_model, tmp_path):
+        parity_runs, small_data, tiny_bert_without_dropout, tmp_path):
     """A fresh run with --overwrite_output_dir into a folder with another run's checkpoint dies before it has
     removed it (its worker killed as it starts); torchrun restarts it, and it starts fresh again."""
-    import psutil
-
     from finetune.checkpoint import read_progress
 
     out = tmp_path / "out"
     replaced = out / "checkpoints" / "step_4"
     shutil.copytree(parity_runs("torchrun", 2, 4) / "checkpoints" / "step_4", replaced)
     replaced_run = read_progress(replaced).run_id
-    command = torchrun_cmd(*parity_flags(small_data, no_dropout_model, 8), "--output_dir", str(out),
+    command = torchrun_cmd(*parity_flags(small_data, tiny_bert_without_dropout, 8), "--output_dir", str(out),
                            "--overwrite_output_dir", nproc=1)
     command.insert(command.index("--nproc_per_node"), "--max-restarts=1")
     job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not (workers := [p for p in psutil.Process(job.pid).children(recursive=True)
-                           if "classify.py" in " ".join(p.cmdline())]):
-        assert job.poll() is None and time.monotonic() < deadline
-        time.sleep(0.005)
-    workers[0].send_signal(signal.SIGKILL)
+    (worker,) = wait_for(lambda: workers(job), "the worker", job, timeout=60, interval=0.005)
+    worker.send_signal(signal.SIGKILL)
     output, _ = job.communicate(timeout=300)
     assert job.returncode == 0, output[-4000:]
     assert "resumed from" not in output
@@ -225,16 +216,15 @@ def test_a_restart_before_overwrite_output_dir_acts_never_resumes_the_run_being_
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_restart_after_an_explicit_resume_continues_from_the_newest_checkpoint(
-        parity_runs, small_data, no_dropout_model, tmp_path):
+        parity_runs, small_data, tiny_bert_without_dropout, tmp_path):
     """Resumed from another folder's step_4, killed after its own step_8 (of 9): the restart continues from step_8,
     not from step_4 again, and ends as the run never stopped."""
-    from conftest import assert_weights_match_a_parity_run
-
     start = tmp_path / "start"
     shutil.copytree(parity_runs("torchrun", 2, 4) / "checkpoints" / "step_4", start)
     out = tmp_path / "out"
-    command = torchrun_cmd(*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(out),
+    command = torchrun_cmd(*parity_flags(small_data, tiny_bert_without_dropout, 4), "--output_dir", str(out),
                            "--resume_from_checkpoint", str(start))
     command.insert(command.index("--nproc_per_node"), "--max-restarts=1")
     job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, max_weight_diff, read_results, run
+from helpers import REPO, free_port, max_weight_diff, read_results, run
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from finetune.checkpoint import verify_checkpoint
@@ -28,6 +30,19 @@ CPU_DEFAULT_ACCURACY = 0.963
 @pytest.fixture(autouse=True)
 def needs_cuda():
     assert torch.cuda.is_available(), "these checks need a CUDA GPU"
+
+
+@pytest.fixture(scope="module")
+def no_dropout_model(tmp_path_factory) -> Path:
+    """The default MiniLM with dropout off, for comparisons that must not depend on dropout masks."""
+    from finetune.models import default_model_path
+
+    folder = tmp_path_factory.mktemp("minilm_no_dropout")
+    shutil.copytree(default_model_path(), folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
 
 def accelerate(config: str, script: str, *flags, processes: int = 1) -> list[str]:

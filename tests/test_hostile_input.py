@@ -14,11 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import load_recipe, snapshot, write_csv
-
-from finetune.errors import run_main
-
-recipe = load_recipe()
+from helpers import assert_refused, train_here, write_csv
 
 
 def write(path: Path, data: str | bytes) -> str:
@@ -91,23 +87,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_hostile_input_is_refused_cleanly(folder, capsys, case):
+def test_hostile_input_is_refused_cleanly(folder, case):
     make_argv, expected = CASES[case]
-    argv = make_argv(folder)
-    before = snapshot(folder)
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(recipe.main, argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in err
-    assert expected in errors[0]
-    assert snapshot(folder) == before, "nothing already on disk changed"
+    assert_refused("classify", make_argv(folder), folder, expected)
 
 
-def test_texts_far_over_max_seq_length_are_truncated_and_counted(folder, capsys):
+def test_texts_far_over_max_seq_length_are_truncated_and_counted(folder, tiny_bert):
     long_rows = [{"text": "word " * 500, "label": "a"}, {"text": "short", "label": "b"}] + GOOD_ROWS
     write_csv(folder / "long.csv", long_rows)
-    run_main(recipe.main, [*files(folder, train=str(folder / "long.csv")), "--max_train_steps", "1",
-                           "--max_seq_length", "16"])
-    assert "10 examples (1 cut to --max_seq_length 16)" in capsys.readouterr().out
+    result = train_here("classify", *files(folder, train=str(folder / "long.csv")), "--max_train_steps", "1",
+                        "--max_seq_length", "16", "--model_name_or_path", str(tiny_bert))
+    assert "10 examples (1 cut to --max_seq_length 16)" in result.stdout

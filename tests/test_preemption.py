@@ -9,10 +9,10 @@ import sys
 import time
 
 import pytest
-from conftest import (
+from helpers import (
     REPO,
-    accelerate_cmd,
-    data_flags,
+    classify_flags,
+    launch_cmd,
     max_weight_diff,
     parity_flags,
     python_cmd,
@@ -20,7 +20,9 @@ from conftest import (
     run,
     start_and_signal,
     stopped_step,
-    torchrun_cmd,
+    train_here,
+    wait_for,
+    write_csv,
 )
 
 from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
@@ -28,23 +30,21 @@ from finetune.errors import STOPPED_EXIT_CODE
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 # Each launcher once, each way a signal arrives once; tests/test_slurm.py signals every process under torchrun.
 @pytest.mark.parametrize(("launcher", "sig", "target"), [
     pytest.param(launcher, sig, target, id=f"{launcher}-{sig.name}-to-{target}")
     for launcher, sig, target in (("torchrun", signal.SIGUSR1, "worker"), ("accelerate", signal.SIGTERM, "launcher"))])
 def test_a_stop_signal_saves_that_step_and_the_same_command_resumes_to_the_same_weights(
-        parity_runs, small_data, no_dropout_model, tmp_path, launcher, sig, target):
+        parity_runs, small_data, tiny_bert, tiny_bert_without_dropout, tmp_path, launcher, sig, target):
     """Every rank learns of the signal at the next optimizer step (a worker's own signal through a collective),
     saves it as a checkpoint (also between --checkpointing_steps), and exits. Under Accelerate dropout is on:
     a rank whose RNG state was not restored (Accelerate skips one it cannot load) would draw other masks."""
-    from finetune.models import default_model_path
-
     out = tmp_path / "out"
     dropout = launcher == "accelerate"
-    model = default_model_path() if dropout else no_dropout_model
+    model = tiny_bert if dropout else tiny_bert_without_dropout
     flags = [*parity_flags(small_data, model, 4), "--output_dir", str(out)]
-    launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
-    _, output = start_and_signal(launch(*flags), sig, target)
+    _, output = start_and_signal(launch_cmd(launcher, *flags), sig, target)
     step = stopped_step(output, sig)
     assert 1 <= step < 9, output[-3000:]
     latest = find_latest_checkpoint(str(out))
@@ -52,31 +52,29 @@ def test_a_stop_signal_saves_that_step_and_the_same_command_resumes_to_the_same_
     verify_checkpoint(latest)
     assert not (out / "model.safetensors").exists(), "a stopped run saves a checkpoint, not a final model"
 
-    resumed = run(launch(*flags, "--resume_from_checkpoint", "latest"))
+    resumed = run(launch_cmd(launcher, *flags, "--resume_from_checkpoint", "latest"))
     assert f"resumed from {latest} at step {step}" in resumed.stdout
     assert read_results(out)["global_step"] == 9
     assert max_weight_diff(parity_runs(launcher, 2, 4, dropout=dropout), out) <= 1e-6
 
 
-def test_a_stop_during_the_final_evaluation_saves_the_last_step_without_waiting_for_the_evaluation(small_data,
-                                                                                                   tmp_path):
-    """The stop is checked before every evaluation batch: 200 evaluation examples one at a time take seconds,
+def test_a_stop_during_the_final_evaluation_saves_the_last_step_without_waiting_for_the_evaluation(
+        small_data, tiny_bert, tmp_path):
+    """The stop is checked before every evaluation batch: 600 evaluation examples one at a time take seconds,
     and a slow evaluation (generation) could outlast the time a scheduler gives before SIGKILL."""
-    from conftest import write_csv
-
     from finetune.default_dataset import LABEL_NAMES, make_support_tickets
 
     validation = write_csv(tmp_path / "validation.csv", [{"text": r["text"], "label": LABEL_NAMES[r["label"]]}
-                                                         for r in make_support_tickets()["validation"]][:200])
+                                                         for r in make_support_tickets()["validation"]])
     out = tmp_path / "out"
     job = subprocess.Popen(python_cmd("--train_file", str(small_data["train"]), "--validation_file", str(validation),
-                                      "--max_seq_length", "48", "--per_device_eval_batch_size", "1",
-                                      "--max_train_steps", "2", "--logging_steps", "1", "--output_dir", str(out)),
+                                      "--model_name_or_path", str(tiny_bert), "--max_seq_length", "48",
+                                      "--per_device_eval_batch_size", "1", "--max_train_steps", "2",
+                                      "--logging_steps", "1", "--output_dir", str(out)),
                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     history = out / "log_history.jsonl"
-    while not (history.exists() and '"step": 2' in history.read_text()):  # the last step, then its evaluation
-        assert job.poll() is None, job.communicate()[0][-3000:]
-        time.sleep(0.002)
+    # the last step, then its evaluation
+    wait_for(lambda: history.exists() and '"step": 2' in history.read_text(), "step 2", job, interval=0.002)
     job.send_signal(signal.SIGTERM)
     output = job.communicate(timeout=300)[0]
     assert job.returncode == STOPPED_EXIT_CODE, output[-3000:]
@@ -85,20 +83,20 @@ def test_a_stop_during_the_final_evaluation_saves_the_last_step_without_waiting_
     assert not (out / "model.safetensors").exists(), "the final save did not start"
 
 
-def test_a_single_process_stopped_by_ctrl_c_exits_with_the_stopped_status(small_data, tmp_path):
+def test_a_single_process_stopped_by_ctrl_c_exits_with_the_stopped_status(small_data, tiny_bert, tmp_path):
     out = tmp_path / "out"
-    flags = [*data_flags(small_data), "--max_seq_length", "48", "--per_device_train_batch_size", "4",
-             "--output_dir", str(out)]
+    flags = classify_flags(small_data, tiny_bert, "--per_device_train_batch_size", "4", "--output_dir", str(out))
     status, output = start_and_signal(python_cmd(*flags), signal.SIGINT, "launcher")
     assert status == STOPPED_EXIT_CODE, output[-3000:]
     step = stopped_step(output, signal.SIGINT)
     assert find_latest_checkpoint(str(out)).name == f"step_{step}"
     assert "Traceback" not in output
-    resumed = run(python_cmd(*flags, "--resume_from_checkpoint", "latest"))
+    resumed = train_here("classify", *flags, "--resume_from_checkpoint", "latest")
     assert f"at step {step}" in resumed.stdout and read_results(out)["global_step"] == 22
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_every_process_resumes_from_the_checkpoint_the_main_process_found(tmp_path, launcher):
     from finetune.checkpoint import Progress, write_progress
@@ -107,8 +105,7 @@ def test_every_process_resumes_from_the_checkpoint_the_main_process_found(tmp_pa
         folder = tmp_path / "checkpoints" / f"step_{step}"
         folder.mkdir(parents=True)
         write_progress(folder, Progress(global_step=step, world_size=2, runtime=launcher, seed=42))
-    launch = accelerate_cmd if launcher == "accelerate" else torchrun_cmd
-    run(launch(str(tmp_path), script="tests/scripts/choose_checkpoint.py"))
+    run(launch_cmd(launcher, str(tmp_path), script="tests/scripts/choose_checkpoint.py"))
     chosen = [json.loads((tmp_path / f"chosen_{rank}.json").read_text()) for rank in (0, 1)]
     assert chosen == [str(tmp_path / "checkpoints" / "step_4")] * 2
 
@@ -117,7 +114,6 @@ def test_a_stop_passed_on_twice_is_one_stop_and_a_second_ctrl_c_later_stops_at_o
     """Slurm and torchrun both pass SIGUSR1 on, a terminal and torchrun both pass Ctrl-C: the worker sees a stop
     signal twice within milliseconds and must still save. A person pressing Ctrl-C again means now."""
     import os
-    import time
 
     from finetune.preemption import SECOND_CTRL_C_AFTER, StopSignals
 

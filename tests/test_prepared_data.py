@@ -14,28 +14,24 @@ from pathlib import Path
 
 import datasets
 import pytest
-from conftest import (
-    RECIPE,
+from helpers import (
     REPO,
-    accelerate_cmd,
     data_flags,
+    launch_cmd,
     load_recipe,
     parity_flags,
-    python_cmd,
+    recipe_path,
     run,
-    torchrun_cmd,
+    train_here,
     write_csv,
 )
 
 from finetune.errors import UserError
 from finetune.prepared_data import cache_folder, load_or_build
 
-TOKEN_CLASSIFY = str(REPO / "recipes" / "token_classify.py")
-SFT = str(REPO / "recipes" / "sft.py")
 
-
-def recipe_task(path: str, task: str, arguments: str, flags: list[str]):
-    module = load_recipe(Path(path).stem)
+def recipe_task(name: str, task: str, arguments: str, flags: list[str]):
+    module = load_recipe(name)
     cfg, args = module.parse_config(getattr(module, arguments), flags)
     made = getattr(module, task)(args)
     return made, cfg, made.load_tokenizer(cfg)
@@ -78,31 +74,31 @@ def test_other_raw_data_builds_another_cache(small_data, tmp_path):
     assert folder_of(classify(flags)) != before
 
 
-def test_another_tokenizer_builds_another_cache(small_data, no_dropout_model, tmp_path):
+def test_another_tokenizer_builds_another_cache(small_data, tiny_bert, tmp_path):
     from transformers import AutoTokenizer
 
     assert folder_of(classify(data_flags(small_data))) == folder_of(
-        classify([*data_flags(small_data), "--model_name_or_path", str(no_dropout_model)])), "same tokenizer files"
-    tokenizer = AutoTokenizer.from_pretrained(no_dropout_model)
+        classify([*data_flags(small_data), "--model_name_or_path", str(tiny_bert)])), "the same tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
     tokenizer.add_tokens(["refundable"])
     changed = tmp_path / "model"
     changed.mkdir()
-    for file in no_dropout_model.iterdir():
+    for file in tiny_bert.iterdir():
         (changed / file.name).symlink_to(file)
     for file in changed.glob("*token*"):
         file.unlink()
-    (changed / "vocab.txt").unlink()
+    (changed / "vocab.txt").unlink(missing_ok=True)
     tokenizer.save_pretrained(changed)
     assert folder_of(classify([*data_flags(small_data), "--model_name_or_path", str(changed)])) != folder_of(
-        classify([*data_flags(small_data), "--model_name_or_path", str(no_dropout_model)]))
+        classify([*data_flags(small_data), "--model_name_or_path", str(tiny_bert)]))
 
 
 def test_another_chat_template_builds_another_cache(tmp_path):
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
                         "{% if add_generation_prompt %}<assistant>{% endif %}")
-    plain = recipe_task(SFT, "SFTTask", "SFTArguments", [])
-    templated = recipe_task(SFT, "SFTTask", "SFTArguments", ["--chat_template", str(template)])
+    plain = recipe_task("sft", "SFTTask", "SFTArguments", [])
+    templated = recipe_task("sft", "SFTTask", "SFTArguments", ["--chat_template", str(template)])
     assert folder_of(plain) != folder_of(templated)
 
 
@@ -117,8 +113,8 @@ def test_an_option_that_changes_tokens_builds_another_cache(small_data, tmp_path
 
 
 def test_label_all_tokens_builds_another_cache():
-    first = recipe_task(TOKEN_CLASSIFY, "TokenClassifyTask", "TokenClassifyArguments", [])
-    every = recipe_task(TOKEN_CLASSIFY, "TokenClassifyTask", "TokenClassifyArguments", ["--label_all_tokens"])
+    first = recipe_task("token_classify", "TokenClassifyTask", "TokenClassifyArguments", [])
+    every = recipe_task("token_classify", "TokenClassifyTask", "TokenClassifyArguments", ["--label_all_tokens"])
     assert folder_of(first) != folder_of(every)
 
 
@@ -182,7 +178,7 @@ def test_a_build_killed_half_way_is_never_read(small_data, tmp_path):
     child = subprocess.Popen([sys.executable, "-c", f"""
 import sys, time
 sys.path.insert(0, {str(REPO / 'tests')!r})
-from conftest import load_recipe
+from helpers import load_recipe
 from finetune.prepared_data import Tokenizing, load_or_build
 original = Tokenizing.map
 def map_then_hang(self, split, fn, name, features):
@@ -208,47 +204,50 @@ load_or_build(task, cfg, task.load_tokenizer(cfg))
 
 # -- runs
 
-def test_prepare_only_builds_the_cache_and_touches_no_output_folder(small_data, tmp_path):
+def test_prepare_only_builds_the_cache_and_touches_no_output_folder(small_data, tiny_bert, tmp_path):
     cache = tmp_path / "cache"
-    flags = [*data_flags(small_data), "--dataset_cache_dir", str(cache), "--output_dir", str(tmp_path / "out")]
-    result = run(python_cmd(*flags, "--prepare_only"))
+    flags = [*data_flags(small_data), "--model_name_or_path", str(tiny_bert), "--dataset_cache_dir", str(cache),
+             "--output_dir", str(tmp_path / "out")]
+    result = train_here("classify", *flags, "--prepare_only")
     assert "built in" in result.stdout and not (tmp_path / "out").exists()
     folder = next(p for p in cache.iterdir() if p.is_dir())
     assert json.loads((folder / "prepared.json").read_text())["info"]["label_names"][0] == "account"
-    result = run(python_cmd(*flags, "--max_train_steps", "1", "--per_device_eval_batch_size", "64"))
+    result = train_here("classify", *flags, "--max_train_steps", "1", "--per_device_eval_batch_size", "64")
     assert f"tokenized data: {folder} (cached;" in result.stdout
 
 
-def watched(launch, out: Path, *flags) -> list[str]:
-    return launch(str(out), RECIPE, *flags, script="tests/scripts/watch_data.py")
+def watched(launcher: str, out: Path, *flags) -> list[str]:
+    return launch_cmd(launcher, str(out), recipe_path(), *flags, script="tests/scripts/watch_data.py")
 
 
 @pytest.mark.multiprocess
-def test_one_process_builds_while_the_others_wait_past_the_collective_timeout(small_data, no_dropout_model,
+@pytest.mark.slow
+def test_one_process_builds_while_the_others_wait_past_the_collective_timeout(small_data, tiny_bert_without_dropout,
                                                                               parity_runs, tmp_path):
     """The build takes longer than --ddp_timeout; the other process waits, then reads the same cache. The run
     also resumes mid-epoch: the batches before the checkpoint's position are never fetched."""
     checkpoint = parity_runs("torchrun", 2, 4) / "checkpoints" / "step_4"
     records = tmp_path / "records"
     records.mkdir()
-    flags = [*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(tmp_path / "out"),
-             "--dataset_cache_dir", str(tmp_path / "cache"), "--ddp_timeout", "10",
+    flags = [*parity_flags(small_data, tiny_bert_without_dropout, 4), "--output_dir", str(tmp_path / "out"),
+             "--dataset_cache_dir", str(tmp_path / "cache"), "--ddp_timeout", "6",
              "--resume_from_checkpoint", str(checkpoint)]
     started = time.monotonic()
-    run(watched(torchrun_cmd, records, *flags), env={"WATCH_DATA_BUILD_SECONDS": "25"})
-    assert time.monotonic() - started > 25
+    run(watched("torchrun", records, *flags), env={"WATCH_DATA_BUILD_SECONDS": "12"})
+    assert time.monotonic() - started > 12
     ranks = [json.loads((records / f"rank_{rank}.json").read_text()) for rank in range(2)]
     assert [r["builds"] for r in ranks] == [1, 0], "one build, by the main process"
     assert_fetches_start_at_the_checkpoint(ranks, checkpoint)
 
 
 @pytest.mark.multiprocess
-def test_accelerate_resumes_mid_epoch_without_fetching_the_skipped_batches(small_data, no_dropout_model,
+@pytest.mark.slow
+def test_accelerate_resumes_mid_epoch_without_fetching_the_skipped_batches(small_data, tiny_bert_without_dropout,
                                                                           parity_runs, tmp_path):
     checkpoint = parity_runs("accelerate", 2, 4) / "checkpoints" / "step_4"
     records = tmp_path / "records"
     records.mkdir()
-    run(watched(accelerate_cmd, records, *parity_flags(small_data, no_dropout_model, 4),
+    run(watched("accelerate", records, *parity_flags(small_data, tiny_bert_without_dropout, 4),
                 "--output_dir", str(tmp_path / "out"), "--resume_from_checkpoint", str(checkpoint)))
     assert_fetches_start_at_the_checkpoint([json.loads((records / f"rank_{r}.json").read_text()) for r in range(2)],
                                            checkpoint)

@@ -5,68 +5,66 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 
 import psutil
-import pytest
-from conftest import FAST_FLAGS, REPO, data_flags, limit_file_size, load_recipe, python_cmd, snapshot
+from helpers import (
+    FILE_SIZE_LIMIT,
+    REPO,
+    assert_refused,
+    classify_flags,
+    limit_file_size,
+    one_error_line,
+    python_cmd,
+    snapshot,
+    train_here,
+    wait_for,
+)
 
 from finetune.checkpoint import Progress, verify_checkpoint, write_manifest, write_progress
-from finetune.errors import run_main
 
 
-def one_error(result: subprocess.CompletedProcess) -> str:
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    return errors[0]
-
-
-def test_a_non_finite_loss_stops_the_run_before_anything_from_that_step_is_saved(small_data, tmp_path):
+def test_a_non_finite_loss_stops_the_run_before_anything_from_that_step_is_saved(small_data, tiny_bert, tmp_path):
     """At learning rate 1e30 the first step's update makes the second step's loss non-finite: the check before
     the checkpoint of step 2 stops the run (the log's is not due until step 4)."""
     out = tmp_path / "out"
-    result = subprocess.run(python_cmd(*data_flags(small_data), *FAST_FLAGS, "--learning_rate", "1e30",
-                                       "--max_train_steps", "4", "--checkpointing_steps", "1",
-                                       "--checkpoints_total_limit", "1", "--logging_steps", "10",
-                                       "--output_dir", str(out)), cwd=REPO, capture_output=True, text=True)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert "was not finite at step 2, so nothing from that step on was saved" in errors[0]
+    result = train_here("classify", *classify_flags(small_data, tiny_bert, "--learning_rate", "1e30",
+                                                    "--max_train_steps", "4", "--checkpointing_steps", "1",
+                                                    "--checkpoints_total_limit", "1", "--logging_steps", "10",
+                                                    "--output_dir", str(out)), check=False)
+    one_error_line(result.returncode, result.stderr, "was not finite at step 2, so nothing from that step on was saved")
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_1"], "step 1's checkpoint is kept"
     verify_checkpoint(out / "checkpoints" / "step_1")
     assert not (out / "model.safetensors").exists()
 
 
-def test_a_non_finite_last_step_is_neither_logged_nor_saved(small_data, tmp_path):
+def test_a_non_finite_last_step_is_neither_logged_nor_saved(small_data, tiny_bert, tmp_path):
     """No checkpoints and a log every 10 steps: the last step's log (always written) is the only check left before
     the final save, and it stops the run."""
     out = tmp_path / "out"
-    result = subprocess.run(python_cmd(*data_flags(small_data), *FAST_FLAGS, "--learning_rate", "1e30",
-                                       "--max_train_steps", "2", "--logging_steps", "10", "--output_dir", str(out)),
-                            cwd=REPO, capture_output=True, text=True)
-    assert "was not finite at step 2, so nothing from that step on was saved" in one_error(result)
+    result = train_here("classify", *classify_flags(small_data, tiny_bert, "--learning_rate", "1e30",
+                                                    "--max_train_steps", "2", "--logging_steps", "10",
+                                                    "--output_dir", str(out)), check=False)
+    one_error_line(result.returncode, result.stderr, "was not finite at step 2, so nothing from that step on was saved")
     assert not out.exists(), "no loss was logged, no model, results or predictions saved"
 
 
-def test_a_checkpoint_the_disk_cannot_hold_is_one_clear_error_and_the_earlier_ones_are_intact(small_data, tmp_path):
+def test_a_checkpoint_the_disk_cannot_hold_is_one_clear_error_and_the_earlier_ones_are_intact(small_data, tiny_bert,
+                                                                                               tmp_path):
     """The disk fills once step 1's checkpoint is complete: the run is frozen there and its files limited."""
     out = tmp_path / "out"
     stderr = open(tmp_path / "stderr.txt", "w+")  # read back at the end
-    job = subprocess.Popen(python_cmd(*data_flags(small_data), *FAST_FLAGS, "--max_train_steps", "4",
-                                      "--checkpointing_steps", "1", "--output_dir", str(out)),
+    job = subprocess.Popen(python_cmd(*classify_flags(small_data, tiny_bert, "--max_train_steps", "20",
+                                                      "--checkpointing_steps", "1", "--output_dir", str(out))),
                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
                            preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN))
-    deadline = time.monotonic() + 300
-    while not (out / "checkpoints" / "step_1" / "manifest.json").exists():
-        assert job.poll() is None and time.monotonic() < deadline
-        time.sleep(0.002)
+    wait_for((out / "checkpoints" / "step_1" / "manifest.json").exists, "step 1's checkpoint", job, interval=0.001)
     job.send_signal(signal.SIGSTOP)
-    psutil.Process(job.pid).rlimit(psutil.RLIMIT_FSIZE, (20 << 20, 20 << 20))
+    psutil.Process(job.pid).rlimit(psutil.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
     job.send_signal(signal.SIGCONT)
     job.wait(timeout=300)
     stderr.seek(0)
-    error = one_error(subprocess.CompletedProcess(job.args, job.returncode, "", stderr.read()))
-    assert "(File too large" in error and "free disk space" in error and "earlier checkpoints are intact" in error
+    error = one_error_line(job.returncode, stderr.read(), "(File too large", "free disk space",
+                           "earlier checkpoints are intact")
     failed = int(error.split("cannot write checkpoint ")[1].split(" (")[0].rsplit("step_", 1)[1])
     assert failed >= 2
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{s}" for s in range(1, failed)], \
@@ -75,17 +73,17 @@ def test_a_checkpoint_the_disk_cannot_hold_is_one_clear_error_and_the_earlier_on
         verify_checkpoint(out / "checkpoints" / f"step_{step}")
 
 
-def test_a_final_model_the_disk_cannot_hold_leaves_the_one_it_replaces_as_it_was(small_data, tmp_path):
+def test_a_final_model_the_disk_cannot_hold_leaves_the_one_it_replaces_as_it_was(small_data, tiny_bert, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     for name in ("config.json", "model.safetensors", "tokenizer.json", "all_results.json"):
         (out / name).write_text(f"the earlier run's {name}")
     before = snapshot(out)
-    result = subprocess.run(python_cmd(*data_flags(small_data), *FAST_FLAGS, "--max_train_steps", "1",
-                                       "--overwrite_output_dir", "--output_dir", str(out)),
+    result = subprocess.run(python_cmd(*classify_flags(small_data, tiny_bert, "--max_train_steps", "1",
+                                                       "--overwrite_output_dir", "--output_dir", str(out))),
                             cwd=REPO, capture_output=True, text=True, preexec_fn=limit_file_size)
-    error = one_error(result)
-    assert f"cannot write the model to {out} (" in error and "the model there before is intact" in error
+    one_error_line(result.returncode, result.stderr, f"cannot write the model to {out} (",
+                   "the model there before is intact")
     assert {name: digest for name, digest in snapshot(out).items() if name != "log_history.jsonl"} == before
     assert not (out / ".final.partial").exists()
 
@@ -99,58 +97,46 @@ def write_checkpoint(out, step: int, run_id: str):
     return folder
 
 
-def test_a_resume_into_a_folder_with_another_runs_later_checkpoints_is_refused(small_data, tmp_path, capsys):
+def test_a_resume_into_a_folder_with_another_runs_later_checkpoints_is_refused(small_data, tmp_path):
     """`latest` would continue the other run afterwards, and pruning would have counted its checkpoints."""
     out = tmp_path / "out"
     resumed = write_checkpoint(out, 1, "this")
     write_checkpoint(out, 9, "other")
     write_checkpoint(out, 10, "other")
-    before = snapshot(out)
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(load_recipe().main, [*data_flags(small_data), "--output_dir", str(out), "--resume_from_checkpoint",
-                                      str(resumed), "--checkpoints_total_limit", "2"])
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert exit_info.value.code == 2
+    error = assert_refused("classify", [*classify_flags(small_data, "unused"), "--output_dir", str(out),
+                                        "--resume_from_checkpoint", str(resumed), "--checkpoints_total_limit", "2"],
+                           out, "--overwrite_output_dir")
     assert error.startswith(f"error: --output_dir {out} holds another run's checkpoints of later steps (step_9, "
-                            f"step_10) than {resumed}") and "--overwrite_output_dir" in error
-    assert snapshot(out) == before
+                            f"step_10) than {resumed}")
 
 
-def test_bad_input_with_overwrite_output_dir_removes_nothing(tmp_path, capsys):
+def test_bad_input_with_overwrite_output_dir_removes_nothing(tmp_path):
     """A mistyped --train_file is found when the data is read, after the output folder's checks."""
     out = tmp_path / "out"
     write_checkpoint(out, 4, "earlier")
     (out / "config.json").write_text("{}")
     (out / "log_history.jsonl").write_text(json.dumps({"step": 4, "loss": 0.5}) + "\n")
-    before = snapshot(out)
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(load_recipe().main, ["--train_file", str(tmp_path / "trian.csv"), "--validation_file",
-                                      str(tmp_path / "trian.csv"), "--output_dir", str(out), "--overwrite_output_dir"])
-    assert exit_info.value.code == 2 and "trian.csv: no such file" in capsys.readouterr().err
-    assert snapshot(out) == before
+    assert_refused("classify", ["--train_file", str(tmp_path / "trian.csv"), "--validation_file",
+                                str(tmp_path / "trian.csv"), "--output_dir", str(out), "--overwrite_output_dir"],
+                   out, "trian.csv: no such file")
 
 
-def test_a_second_run_on_a_folder_a_living_run_holds_is_refused_and_a_killed_run_blocks_nothing(small_data,
+def test_a_second_run_on_a_folder_a_living_run_holds_is_refused_and_a_killed_run_blocks_nothing(small_data, tiny_bert,
                                                                                                 tmp_path):
     out = tmp_path / "out"
-    flags = [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "4", "--num_train_epochs", "3",
-             "--checkpointing_steps", "1", "--output_dir", str(out)]
+    flags = classify_flags(small_data, tiny_bert, "--per_device_train_batch_size", "4", "--num_train_epochs", "3",
+                           "--checkpointing_steps", "1", "--output_dir", str(out))
     first = subprocess.Popen(python_cmd(*flags), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not (out / "checkpoints" / "step_1" / "manifest.json").exists():
-        assert first.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for((out / "checkpoints" / "step_1" / "manifest.json").exists, "step 1's checkpoint", first, interval=0.005)
+    first.send_signal(signal.SIGSTOP)  # holding the folder, for as long as the second run takes
     # Even with --overwrite_output_dir, which would remove the first run's checkpoints.
-    second = subprocess.run(python_cmd(*flags, "--overwrite_output_dir"), cwd=REPO, capture_output=True, text=True)
+    second = train_here("classify", *flags, "--overwrite_output_dir", check=False)
     first.kill()  # SIGKILL: the lock file stays behind, the kernel's lock does not
     first.wait()
-    errors = [line for line in second.stderr.splitlines() if line.startswith("error: ")]
-    assert second.returncode == 2 and len(errors) == 1, second.stderr[-3000:]
-    assert f"--output_dir {out} is in use by another run (pid {first.pid} on " in errors[0]
+    one_error_line(second.returncode, second.stderr,
+                   f"--output_dir {out} is in use by another run (pid {first.pid} on ")
     assert (out / "checkpoints" / "step_1").is_dir(), "the refused run removed nothing"
     assert (out / ".finetune.lock").exists()
 
-    third = subprocess.run(python_cmd(*flags, "--resume_from_checkpoint", "latest", "--checkpointing_steps", "epoch"),
-                           cwd=REPO, capture_output=True, text=True)
-    assert third.returncode == 0, third.stderr[-3000:]
+    train_here("classify", *flags, "--resume_from_checkpoint", "latest", "--checkpointing_steps", "epoch")
     assert not (out / ".finetune.lock").exists(), "the lock file goes when its run ends"

@@ -4,72 +4,41 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from datasets import Dataset
+from helpers import (
     HUB_TOKEN,
-    REPO,
-    accelerate_cmd,
     assert_adapter_replies_as_generated,
     assert_refused,
-    load_recipe,
+    log_history,
+    read_jsonl,
     read_results,
-    run,
-    snapshot,
+    run_on,
+    timeless_history,
+    tiny_llama,
     tokenizing,
-    torchrun_cmd,
+    train_here,
+    write_jsonl,
 )
-from datasets import Dataset
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening
 
 from finetune.batching import TokenizedDataset
+from finetune.causal_lm import label_log_probs, language_model_collators
 from finetune.chat import IGNORE, tokenize_conversations
 from finetune.default_chat import make_support_conversations, routed_team
-from finetune.errors import run_main
-from finetune.models import default_chat_model_path
 
-RECIPE = str(REPO / "recipes" / "sft.py")
 TWO_TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Refund order 42?"},
              {"role": "assistant", "content": "Team: billing\nDone."}, {"role": "user", "content": "Thanks!"},
              {"role": "assistant", "content": "You are welcome."}]
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(default_chat_model_path())
-
-
-def make_tiny_model(folder: Path, tokenizer, initializer_range: float = 0.02) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                         initializer_range=initializer_range)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, tokenizer) -> Path:
-    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template: fast to train."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_chat_model"), tokenizer)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_with_distinct_replies(tmp_path_factory, tokenizer) -> Path:
-    """The same with weights drawn ten times wider: its greedy replies differ from one conversation to the next
-    (``tiny_model`` gives every conversation the same one), so a reply gathered to the wrong one would show."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny_chat_model_wide"), tokenizer, initializer_range=0.05)
-
-
-def jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
+@pytest.fixture
+def tokenizer(chat_tokenizer):
+    return chat_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -79,8 +48,8 @@ def chat_files(tmp_path_factory) -> list[str]:
     data = make_support_conversations()
     train = [{"messages": m} for m in data["train"]["messages"][:20]] + [{"messages": TWO_TURNS}] * 2
     validation = [{"messages": m} for m in data["validation"]["messages"][:11]]
-    return ["--train_file", jsonl(folder / "train.jsonl", train),
-            "--validation_file", jsonl(folder / "validation.jsonl", validation),
+    return ["--train_file", write_jsonl(folder / "train.jsonl", train),
+            "--validation_file", write_jsonl(folder / "validation.jsonl", validation),
             "--per_device_eval_batch_size", "3", "--logging_steps", "1", "--max_new_tokens", "8"]
 
 
@@ -150,44 +119,28 @@ def test_prompt_and_completion_columns_train_like_messages(tokenizer, tmp_path):
 
 
 def test_a_packed_batch_gives_each_token_the_loss_it_has_alone(tokenizer, tmp_path):
-    """Attention never crosses from one packed example into the next: per-token losses match (fp32)."""
-    model = AutoModelForCausalLM.from_pretrained(default_chat_model_path()).eval()
+    """The recipe's packed batches (its collator, its log-probabilities): attention never crosses from one packed
+    example into the next, so every trained token's loss is its loss alone (float32). A tiny Llama drawn with wide
+    weights, so that attention across examples would change losses by far."""
+    model = tiny_llama(tokenizer, initializer_range=0.2).eval()
     conversations = [TWO_TURNS, *make_support_conversations()["validation"]["messages"][:3]]
     dataset = tokenize_chats(conversations, tokenizer, tmp_path)
     rows = [dataset[i] for i in range(len(dataset))]
+    collate, _, packed, _ = language_model_collators(tokenizer, packing=True)
+    assert packed
 
     def token_losses(batch):
-        labels = batch.pop("labels")
-        logits = model(**batch, use_cache=False).logits.float()
-        losses = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="none")
-        return losses[labels[0, 1:] != IGNORE]
+        log_probs, labels = label_log_probs(model, dict(batch))
+        return -log_probs[labels != IGNORE]
 
     with torch.no_grad():
-        packed = token_losses(DataCollatorWithFlattening()(rows))
+        together = token_losses(collate(rows))
         alone = torch.cat([token_losses({k: torch.tensor([v]) for k, v in row.items()}) for row in rows])
-    assert packed.shape == alone.shape == (sum(dataset.loss_units),)
-    torch.testing.assert_close(packed, alone, atol=1e-4, rtol=0)
-    # Without the position ids, the same row attends across examples and the losses differ.
-    with torch.no_grad():
-        crossing = DataCollatorWithFlattening(return_position_ids=False)(rows)
-        assert (token_losses(crossing) - alone).abs().max() > 0.1
-
-
-def run_tiny(out: Path, tiny_model: Path, chat_files: list[str], *flags, launcher=None, processes=1):
-    common = [*chat_files, "--model_name_or_path", str(tiny_model), "--output_dir", str(out), *flags]
-    if launcher == "torchrun":
-        return run(torchrun_cmd(*common, nproc=processes, script=RECIPE))
-    if launcher == "accelerate":
-        return run(accelerate_cmd(*common, num_processes=processes, script=RECIPE))
-    return run([sys.executable, RECIPE, *common])
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def history(out: Path) -> list[dict]:
-    return read_jsonl(out / "log_history.jsonl")
+        # Without the restarted position ids, the same row attends across examples and the losses differ.
+        crossing = token_losses(DataCollatorWithFlattening(return_position_ids=False)(rows))
+    assert together.shape == alone.shape == (sum(dataset.loss_units),)
+    torch.testing.assert_close(together, alone, atol=1e-4, rtol=0)
+    assert (crossing - alone).abs().max() > 0.1
 
 
 PARITY_FLAGS = ["--gradient_accumulation_steps", "2", "--num_train_epochs", "2", "--lora_dropout", "0",
@@ -195,21 +148,22 @@ PARITY_FLAGS = ["--gradient_accumulation_steps", "2", "--num_train_epochs", "2",
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 # Each launcher once, each way of batching once (the batches are made alike under both launchers).
 @pytest.mark.parametrize(("batches", "launcher"), [("--packing", "accelerate"), ("--no_packing", "torchrun")])
-def test_one_process_and_two_train_alike_under_both_launchers(tiny_model_with_distinct_replies, chat_files, tmp_path,
-                                                              batches, launcher):
+def test_one_process_and_two_train_alike_under_both_launchers(tiny_chat_model_with_distinct_replies, chat_files,
+                                                              tmp_path, batches, launcher):
     """The loss is the mean over the trained tokens of a whole window on all ranks: 1 x 4 equals 2 x 2."""
-    model = tiny_model_with_distinct_replies
+    model = tiny_chat_model_with_distinct_replies
     outs = {"one": tmp_path / "one", launcher: tmp_path / launcher}
-    run_tiny(outs["one"], model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "4",
-             launcher="accelerate", processes=1)
-    run_tiny(outs[launcher], model, chat_files, *PARITY_FLAGS, batches, "--per_device_train_batch_size", "2",
-             launcher=launcher, processes=2)
-    reference = history(outs["one"])
+    run_on("sft", model, chat_files, outs["one"], *PARITY_FLAGS, batches, "--per_device_train_batch_size", "4",
+           launcher="accelerate", processes=1)
+    run_on("sft", model, chat_files, outs[launcher], *PARITY_FLAGS, batches, "--per_device_train_batch_size", "2",
+           launcher=launcher, processes=2)
+    reference = log_history(outs["one"])
     assert [h["step"] for h in reference] == list(range(1, 7))  # 22 conversations, windows of 8, 2 epochs
     adapter = load_file(outs["one"] / "adapter_model.safetensors")
-    ours = history(outs[launcher])
+    ours = log_history(outs[launcher])
     assert [h["step"] for h in ours] == [h["step"] for h in reference]
     for a, b in zip(ours, reference, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(
@@ -234,32 +188,32 @@ def test_one_process_and_two_train_alike_under_both_launchers(tiny_model_with_di
     assert checkpoint.keys() == {k.replace(".weight", ".default.weight") for k in adapter}
 
 
-def test_generations_are_the_saved_model_s_greedy_replies(tiny_model, chat_files, tmp_path):
+def test_generations_are_the_saved_model_s_greedy_replies(tiny_chat_model, chat_files, tmp_path):
     out = tmp_path / "out"
-    run_tiny(out, tiny_model, chat_files, "--max_train_steps", "3", "--learning_rate", "1e-2", "--eval_generate", "4",
-             "--merge_lora")
-    assert assert_adapter_replies_as_generated(out, tiny_model, max_new_tokens=8, merged_atol=1e-4) == 4
+    run_on("sft", tiny_chat_model, chat_files, out, "--max_train_steps", "3", "--learning_rate", "1e-2",
+           "--eval_generate", "4", "--merge_lora")
+    assert assert_adapter_replies_as_generated(out, tiny_chat_model, max_new_tokens=8, merged_atol=1e-4) == 4
 
 
-def test_evaluation_is_the_same_one_row_per_pass_as_with_the_default_batching(tiny_model, chat_files, tmp_path):
+def test_evaluation_is_the_same_one_row_per_pass_as_with_the_default_batching(tiny_chat_model, chat_files, tmp_path):
     flags = ["--max_train_steps", "1", "--eval_generate", "4"]
-    run_tiny(tmp_path / "default", tiny_model, chat_files, *flags, "--per_device_eval_batch_size", "64")
-    run_tiny(tmp_path / "one", tiny_model, chat_files, *flags, "--per_device_eval_max_tokens", "1")
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "default", *flags, "--per_device_eval_batch_size", "64")
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "one", *flags, "--per_device_eval_max_tokens", "1")
     default, one = read_results(tmp_path / "default"), read_results(tmp_path / "one")
     assert one["eval_loss"] == pytest.approx(default["eval_loss"], rel=0, abs=1e-6)
     generations = [read_jsonl(tmp_path / name / "eval_generations.jsonl") for name in ("default", "one")]
     assert len(generations[0]) == 4 and generations[0] == generations[1]
 
 
-def test_without_lora_every_weight_trains_and_a_plain_model_is_saved(tiny_model, chat_files, tmp_path):
+def test_without_lora_every_weight_trains_and_a_plain_model_is_saved(tiny_chat_model, chat_files, tmp_path):
     out = tmp_path / "out"
-    result = run_tiny(out, tiny_model, chat_files, "--no_use_lora", "--no_packing", "--max_train_steps", "2",
-                      "--eval_generate", "0", "--checkpointing_steps", "2")
+    result = run_on("sft", tiny_chat_model, chat_files, out, "--no_use_lora", "--no_packing", "--max_train_steps", "2",
+                    "--eval_generate", "0", "--checkpointing_steps", "2")
     assert "padded batches" in result.stdout and "LoRA" not in result.stdout
     assert not (out / "adapter_config.json").exists()
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat_model)
     changed = [name for name, weight in model.state_dict().items() if not torch.equal(weight, base.state_dict()[name])]
     assert "model.embed_tokens.weight" in changed and any("mlp" in name for name in changed)
     checkpoint = load_file(out / "checkpoints" / "step_2" / "model.safetensors")
@@ -267,24 +221,25 @@ def test_without_lora_every_weight_trains_and_a_plain_model_is_saved(tiny_model,
     assert read_results(out)["padding_efficiency"] < 1.0
 
 
-def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_model, chat_files, tmp_path):
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_chat_model, chat_files, tmp_path):
+    """LoRA dropout on (the default 0.05): the resume restores the random state that draws its masks."""
     flags = ["--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
              "--checkpointing_steps", "4", "--eval_generate", "0"]
-    run_tiny(tmp_path / "full", tiny_model, chat_files, *flags)
-    run_tiny(tmp_path / "resumed", tiny_model, chat_files, *flags, "--resume_from_checkpoint",
-             str(tmp_path / "full" / "checkpoints" / "step_4"))
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "full", *flags)
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "resumed", *flags, "--resume_from_checkpoint",
+           str(tmp_path / "full" / "checkpoints" / "step_4"))
     full = load_file(tmp_path / "full" / "adapter_model.safetensors")
     resumed = load_file(tmp_path / "resumed" / "adapter_model.safetensors")
     assert all(torch.equal(full[k], resumed[k]) for k in full)
-    timeless = [[{k: v for k, v in h.items() if k != "samples_per_second"} for h in history(tmp_path / name)]
-                for name in ("resumed", "full")]
-    assert timeless[0] == timeless[1][4:]
+    assert timeless_history(tmp_path / "resumed") == timeless_history(tmp_path / "full")[4:]
 
 
+@pytest.mark.slow
 def test_the_default_data_reports_routing_accuracy_from_its_generations(tokenizer, tmp_path):
+    """The default model and data, two steps."""
     out = tmp_path / "out"
-    result = run([sys.executable, RECIPE, "--max_train_steps", "2", "--eval_generate", "6", "--max_seq_length", "64",
-                  "--output_dir", str(out)])
+    result = train_here("sft", "--max_train_steps", "2", "--eval_generate", "6", "--max_seq_length", "64",
+                        "--output_dir", str(out))
     full = tokenize_chats(make_support_conversations()["train"], tokenizer, tmp_path)
     cut = int((full.lengths >= 64).sum())
     assert 0 < cut < 160 and f"160 examples ({cut} cut to --max_seq_length 64)" in result.stdout
@@ -325,56 +280,50 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_is_one_error_line_and_changes_nothing(tiny_model, tmp_path, capsys, case):
+def test_bad_input_is_one_error_line_and_changes_nothing(tiny_chat_model, tmp_path, case):
     train, validation, expected, *extra_flags = BAD[case]
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("kept")
-    flags = ["--train_file", jsonl(tmp_path / "train.jsonl", train or GOOD), "--validation_file",
-             jsonl(tmp_path / "validation.jsonl", validation or GOOD), "--output_dir", str(tmp_path / "out"),
-             "--model_name_or_path", str(tiny_model), "--max_seq_length", "64", *extra_flags]
-    assert_refused(load_recipe("sft").main, flags, tmp_path, capsys, expected)
+    flags = ["--train_file", write_jsonl(tmp_path / "train.jsonl", train or GOOD), "--validation_file",
+             write_jsonl(tmp_path / "validation.jsonl", validation or GOOD), "--output_dir", str(tmp_path / "out"),
+             "--model_name_or_path", str(tiny_chat_model), "--max_seq_length", "64", *extra_flags]
+    assert_refused("sft", flags, tmp_path, expected)
 
 
-def test_a_model_without_a_chat_template_needs_one(tiny_model, tmp_path, capsys):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+def test_a_model_without_a_chat_template_needs_one(tiny_chat_model, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_model)
     template = tokenizer.chat_template
     tokenizer.chat_template = None
     model = tmp_path / "model"
-    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(model)
+    AutoModelForCausalLM.from_pretrained(tiny_chat_model).save_pretrained(model)
     tokenizer.save_pretrained(model)
     (model / "chat_template.jinja").unlink(missing_ok=True)
-    flags = ["--train_file", jsonl(tmp_path / "t.jsonl", GOOD), "--validation_file", jsonl(tmp_path / "v.jsonl", GOOD),
-             "--model_name_or_path", str(model), "--output_dir", str(tmp_path / "out"), "--max_train_steps", "1"]
-    with pytest.raises(SystemExit) as exit_info:
-        run_main(load_recipe("sft").main, flags)
-    assert exit_info.value.code == 2 and "has no chat template; give one with --chat_template FILE" in \
-        capsys.readouterr().err
+    flags = ["--train_file", write_jsonl(tmp_path / "t.jsonl", GOOD), "--validation_file",
+             write_jsonl(tmp_path / "v.jsonl", GOOD), "--model_name_or_path", str(model), "--output_dir",
+             str(tmp_path / "out"), "--max_train_steps", "1"]
+    assert_refused("sft", flags, tmp_path, "has no chat template; give one with --chat_template FILE")
     (tmp_path / "template.jinja").write_text(template)
-    run([sys.executable, RECIPE, *flags, "--chat_template", str(tmp_path / "template.jinja")])
+    train_here("sft", *flags, "--chat_template", str(tmp_path / "template.jinja"))
     assert "{% for message in messages %}" in AutoTokenizer.from_pretrained(tmp_path / "out").chat_template
 
 
-def test_resuming_with_another_lora_configuration_is_refused(tiny_model, chat_files, tmp_path):
+def test_resuming_with_another_lora_configuration_is_refused(tiny_chat_model, chat_files, tmp_path):
     flags = ["--max_train_steps", "2", "--checkpointing_steps", "1", "--eval_generate", "0"]
-    run_tiny(tmp_path / "first", tiny_model, chat_files, *flags)
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "first", *flags)
     checkpoint = tmp_path / "first" / "checkpoints" / "step_1"
-    before = snapshot(tmp_path)
-    result = run([sys.executable, RECIPE, *chat_files, "--model_name_or_path", str(tiny_model), *flags,
-                  "--lora_r", "8", "--resume_from_checkpoint", str(checkpoint), "--output_dir",
-                  str(tmp_path / "second")], check=False)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
-    assert "holds other trainable weights than this run" in errors[0]
+    error = assert_refused("sft", [*chat_files, "--model_name_or_path", str(tiny_chat_model), *flags, "--lora_r", "8",
+                                   "--resume_from_checkpoint", str(checkpoint), "--output_dir",
+                                   str(tmp_path / "second")],
+                           tmp_path, "holds other trainable weights than this run")
     assert re.search(r"lora_[AB]\.default\.weight: \((16, \d+|\d+, 16)\) in the checkpoint, \((8, \d+|\d+, 8)\) here",
-                     errors[0]), errors[0]
-    assert snapshot(tmp_path) == before
+                     error), error
 
 
-def test_the_hub_gets_the_adapter_the_merged_model_and_a_peft_card(hub, tiny_model, chat_files, tmp_path):
+def test_the_hub_gets_the_adapter_the_merged_model_and_a_peft_card(hub, tiny_chat_model, chat_files, tmp_path):
     out = tmp_path / "out"
-    result = run([sys.executable, RECIPE, *chat_files, "--model_name_or_path", str(tiny_model), "--output_dir",
-                  str(out), "--max_train_steps", "2", "--eval_generate", "2", "--merge_lora", "--push_to_hub",
-                  "--hub_model_id", "alice/support-chat", "--hub_token", HUB_TOKEN], env=hub.env)
+    result = run_on("sft", tiny_chat_model, chat_files, out, "--max_train_steps", "2", "--eval_generate", "2",
+                    "--merge_lora", "--push_to_hub", "--hub_model_id", "alice/support-chat", "--hub_token", HUB_TOKEN,
+                    launcher="python", env=hub.env)
     files = hub.files("alice/support-chat")
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "chat_template.jinja",
             "merged/model.safetensors", "merged/config.json", "README.md"} <= files.keys()

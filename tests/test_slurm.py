@@ -11,12 +11,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import (
-    FAST_FLAGS,
+from helpers import (
     HUB_TOKEN,
     REPO,
-    data_flags,
+    classify_flags,
     limit_file_size,
+    log_history,
     max_weight_diff,
     parity_flags,
     read_results,
@@ -25,7 +25,7 @@ from conftest import (
 
 from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 SBATCH = str(REPO / "launch" / "slurm.sbatch")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
@@ -121,12 +121,12 @@ def checkpoint_at_least(out: Path, step: int):
 
 
 def test_two_torchruns_joined_by_rendezvous_train_to_the_weights_of_plain_torchrun(
-        slurm, parity_runs, small_data, no_dropout_model, tmp_path):
+        slurm, parity_runs, small_data, tiny_bert_without_dropout, tmp_path):
     """Two torchrun agents (as on two nodes) with one process each meet at the c10d rendezvous on the first
     node: the same 2-process training as ``torchrun --nproc_per_node=2``."""
     out = tmp_path / "out"
     job = Job(slurm, tmp_path, ["--ntasks-per-node=2", "--cpus-per-task=1"],
-              [*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(out)])
+              [*parity_flags(small_data, tiny_bert_without_dropout, 4), "--output_dir", str(out)])
     info = job.wait_until_ended()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.output()[-4000:]
     lines = job.attempt_lines()
@@ -136,10 +136,10 @@ def test_two_torchruns_joined_by_rendezvous_train_to_the_weights_of_plain_torchr
 
 
 def test_a_requeued_job_resumes_by_itself_to_the_same_weights_keeping_its_checkpoints(
-        slurm, parity_runs, small_data, no_dropout_model, tmp_path):
+        slurm, parity_runs, small_data, tiny_bert_without_dropout, tmp_path):
     out = tmp_path / "out"
     job = Job(slurm, tmp_path, ["--cpus-per-task=2"],
-              [*parity_flags(small_data, no_dropout_model, 4), "--output_dir", str(out)])
+              [*parity_flags(small_data, tiny_bert_without_dropout, 4), "--output_dir", str(out)])
     first = job.wait(lambda: checkpoint_at_least(out, 4), "checkpoint")
     kept = written(first)
     job.scontrol("requeue", job.id)
@@ -158,14 +158,14 @@ def test_a_requeued_job_resumes_by_itself_to_the_same_weights_keeping_its_checkp
 
 
 def test_the_warning_before_the_time_limit_leaves_a_checkpoint_the_requeued_job_resumes_from(
-        slurm, small_data, no_dropout_model, tmp_path):
+        slurm, small_data, tiny_bert_without_dropout, tmp_path):
     """With a 2-minute limit and the warning 90 s before it, Slurm (which checks limits every 30 s) warns 30 to
     60 s into the job: the script passes the warning on, the step is saved, and the script requeues the job.
     The second attempt, the last of --max_attempts 2, stops on a warning too and is not requeued."""
     out = tmp_path / "out"
     # Only the stop writes a checkpoint: one every few of a thousand steps would fill the disk.
-    flags = [*data_flags(small_data), *FAST_FLAGS, "--model_name_or_path", str(no_dropout_model),
-             "--per_device_train_batch_size", "4", "--max_train_steps", "1000", "--output_dir", str(out)]
+    flags = classify_flags(small_data, tiny_bert_without_dropout, "--per_device_train_batch_size", "4",
+                           "--max_train_steps", "100000", "--output_dir", str(out))
     job = Job(slurm, tmp_path, ["--cpus-per-task=2", "--time=2", "--signal=B:USR1@90"], flags,
               script_options=("--max_attempts", "2"))
 
@@ -178,6 +178,8 @@ def test_the_warning_before_the_time_limit_leaves_a_checkpoint_the_requeued_job_
     assert find_latest_checkpoint(str(out)) == checkpoint and not (out / "model.safetensors").exists()
 
     job.wait(lambda: f"resumed from {checkpoint} at step {stop.group(1)}" in job.output(), "resume")
+    # A step of its own first: resumed at an epoch's end, the second attempt evaluates before it trains.
+    job.wait(lambda: log_history(out)[-1]["step"] > int(stop.group(1)), "a step after the resume")
     job.warn()
     info = job.wait_until_ended()
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "143:0", "1"), info
@@ -190,12 +192,12 @@ def test_the_warning_before_the_time_limit_leaves_a_checkpoint_the_requeued_job_
 
 
 def test_a_warned_job_whose_checkpoint_fails_is_not_requeued_and_its_token_is_on_no_command_line(
-        slurm, small_data, tmp_path):
+        slurm, small_data, tiny_bert, tmp_path):
     """The training exits 2 (a full disk), not with the stopped status 143: requeueing would fail the same way
     every attempt. The --hub_token given to the script reaches the training as HF_TOKEN only."""
     out = tmp_path / "out"
-    flags = [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "4", "--max_train_steps", "1000",
-             "--output_dir", str(out), "--hub_token", HUB_TOKEN]
+    flags = classify_flags(small_data, tiny_bert, "--per_device_train_batch_size", "4", "--max_train_steps", "100000",
+                           "--output_dir", str(out), "--hub_token", HUB_TOKEN)
     job = Job(slurm, tmp_path, ["--cpus-per-task=1", "--propagate=FSIZE"], flags, preexec_fn=limit_file_size)
     job.wait(lambda: "training classify on" in job.output(), "training")
     processes = job.processes()

@@ -2,7 +2,7 @@ import random
 
 import datasets
 import pytest
-from conftest import tokenizing
+from helpers import tokenizing
 from transformers import AutoTokenizer
 
 from finetune.batching import TokenizedDataset

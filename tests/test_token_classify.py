@@ -9,29 +9,32 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from conftest import (
-    REPO,
+from helpers import (
     accelerate_cmd,
     assert_refused,
+    assert_same_steps,
     assert_weights_match_a_parity_run,
     load_recipe,
+    log_history,
     read_results,
+    recipe_path,
     run,
     torchrun_cmd,
+    train_here,
+    write_jsonl,
 )
 from transformers import AutoModelForTokenClassification, AutoTokenizer, pipeline
 
 from finetune.default_tagged_tickets import TAG_NAMES, make_tagged_tickets
-from finetune.models import default_model_path
 from finetune.prepared_data import load_or_build
 from finetune.tagging import IGNORE, entities, entity_scores
 
-RECIPE = str(REPO / "recipes" / "token_classify.py")
+RECIPE = recipe_path("token_classify")
 RESULT_KEYS = {"eval_precision", "eval_recall", "eval_f1", "eval_accuracy", "eval_loss", "train_loss",
                "train_runtime", "train_samples_per_second", "epoch", "global_step", "runtime", "world_size"}
 
 
-def write_jsonl(path: Path, split: datasets.Dataset) -> Path:
+def write_tagged(path: Path, split: datasets.Dataset) -> Path:
     path.write_text("".join(json.dumps({"tokens": row["tokens"], "ner_tags": [TAG_NAMES[t] for t in row["ner_tags"]]})
                             + "\n" for row in split))
     return path
@@ -42,8 +45,8 @@ def tagged_data(tmp_path_factory) -> list[str]:
     """42 tagged sentences for training, 23 for evaluation, with string tags, as data flags."""
     folder = tmp_path_factory.mktemp("tagged")
     data = make_tagged_tickets()
-    train = write_jsonl(folder / "train.jsonl", data["train"].select(range(42)))
-    validation = write_jsonl(folder / "validation.jsonl", data["validation"].select(range(23)))
+    train = write_tagged(folder / "train.jsonl", data["train"].select(range(42)))
+    validation = write_tagged(folder / "validation.jsonl", data["validation"].select(range(23)))
     return ["--train_file", str(train), "--validation_file", str(validation), "--max_seq_length", "48",
             "--per_device_eval_batch_size", "4", "--logging_steps", "1"]
 
@@ -58,12 +61,13 @@ def launch_default(out: Path, *flags: str) -> str:
                 "--output_dir", str(out)], timeout=600).stdout
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("token_classify") / "out"
     return out, launch_default(out)
 
 
+@pytest.mark.slow
 def test_the_default_run_saves_a_plain_tagging_model_and_its_predictions(default_run):
     out, stdout = default_run
     results = read_results(out)
@@ -86,6 +90,7 @@ def test_the_default_run_saves_a_plain_tagging_model_and_its_predictions(default
     assert scores["overall_f1"] == pytest.approx(results["eval_f1"], abs=1e-12)
 
 
+@pytest.mark.slow
 def test_trained_on_every_piece_the_pipeline_groups_whole_words_into_the_predicted_entities(tmp_path):
     """With --label_all_tokens a word's later pieces train as I-X, so "simple" grouping keeps a word whole even
     where the tokenizer splits it at punctuation ("7,942", "anna@example.com"): the pipeline finds exactly the
@@ -108,10 +113,11 @@ def test_trained_on_every_piece_the_pipeline_groups_whole_words_into_the_predict
 
 
 @pytest.mark.multiprocess
-def test_one_process_and_two_train_alike_under_both_launchers(tagged_data, no_dropout_model, tmp_path):
+@pytest.mark.slow
+def test_one_process_and_two_train_alike_under_both_launchers(tagged_data, tiny_bert_without_dropout, tmp_path):
     """Loss units are tokens here: 1 x batch 8 and 2 x batch 4, Accelerate and raw DDP, all the same."""
-    common = [*tagged_data, "--model_name_or_path", str(no_dropout_model), "--gradient_accumulation_steps", "2",
-              "--num_train_epochs", "3", "--checkpointing_steps", "4"]
+    common = [*tagged_data, "--model_name_or_path", str(tiny_bert_without_dropout), "--gradient_accumulation_steps",
+              "2", "--num_train_epochs", "3", "--checkpointing_steps", "4"]
     outs = {}
     for name, command in {"accelerate_1": accelerate_cmd(*common, "--per_device_train_batch_size", "8",
                                                           num_processes=1, script=RECIPE),
@@ -121,15 +127,11 @@ def test_one_process_and_two_train_alike_under_both_launchers(tagged_data, no_dr
                                                      script=RECIPE)}.items():
         outs[name] = tmp_path / name
         run([*command, "--output_dir", str(outs[name])])
-    histories = {name: [json.loads(line) for line in (out / "log_history.jsonl").read_text().splitlines()]
-                 for name, out in outs.items()}
-    reference = histories["accelerate_1"]
+    reference = log_history(outs["accelerate_1"])
     assert [read_results(out)["world_size"] for out in outs.values()] == [1, 2, 2]
+    assert [h["step"] for h in reference] == list(range(1, 10))
     for name in ("accelerate_2", "torchrun_2"):
-        assert [h["step"] for h in histories[name]] == [h["step"] for h in reference] == list(range(1, 10))
-        for ours, theirs in zip(histories[name], reference, strict=True):
-            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
-            assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert_same_steps(log_history(outs[name]), reference)
         assert_weights_match_a_parity_run(outs["accelerate_1"], outs[name])
         results, expected = read_results(outs[name]), read_results(outs["accelerate_1"])
         for key in ("eval_precision", "eval_recall", "eval_f1", "eval_accuracy"):
@@ -138,7 +140,7 @@ def test_one_process_and_two_train_alike_under_both_launchers(tagged_data, no_dr
         assert read_predictions(outs[name]) == read_predictions(outs["accelerate_1"])
 
 
-def test_conll_files_train_and_cut_words_are_predicted_o(tmp_path):
+def test_conll_files_train_and_cut_words_are_predicted_o(tiny_bert, tmp_path):
     data = make_tagged_tickets()
     splits = {"train": data["train"].select(range(16)), "validation": data["validation"].select(range(5))}
     for name, split in splits.items():
@@ -148,21 +150,16 @@ def test_conll_files_train_and_cut_words_are_predicted_o(tmp_path):
             lines.append("")
         (tmp_path / f"{name}.conll").write_text("\n".join(lines))
     out = tmp_path / "out"
-    result = run([sys.executable, RECIPE, "--train_file", str(tmp_path / "train.conll"), "--validation_file",
-                  str(tmp_path / "validation.conll"), "--max_seq_length", "8", "--max_train_steps", "1",
-                  "--output_dir", str(out)])
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    result = train_here("token_classify", "--train_file", str(tmp_path / "train.conll"), "--validation_file",
+                        str(tmp_path / "validation.conll"), "--max_seq_length", "8", "--max_train_steps", "1",
+                        "--model_name_or_path", str(tiny_bert), "--output_dir", str(out))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert)
     pieces = [len(tokenizer(row["tokens"], is_split_into_words=True)["input_ids"]) - 2 for row in splits["validation"]]
     cut = sum(count > 6 for count in pieces)  # 8 tokens hold [CLS], 6 pieces and [SEP]
     assert cut and f"{cut} validation sentence(s) cut" in result.stdout
     for prediction, row in zip(read_predictions(out), splits["validation"], strict=True):
         assert prediction["tokens"] == row["tokens"]
         assert set(prediction["predicted"][6:]) <= {"O"}, "words past --max_seq_length are predicted O"
-
-
-def jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
 
 
 GOOD = [{"tokens": ["refund", "$5", "now"], "ner_tags": ["O", "B-AMOUNT", "O"]},
@@ -179,18 +176,18 @@ def unlabelled_parquet(path: Path) -> str:
 
 BAD = {
     "words and tags of different lengths": (
-        lambda d: jsonl(d / "t.jsonl", [*GOOD, {"tokens": ["a", "b"], "ner_tags": ["O"]}]), None,
+        lambda d: write_jsonl(d / "t.jsonl", [*GOOD, {"tokens": ["a", "b"], "ner_tags": ["O"]}]), None,
         "train data row 3 has 2 words and 1 tags"),
     "a validation tag training never saw": (
-        None, lambda d: jsonl(d / "v.jsonl", [{"tokens": ["bo@x.io"], "ner_tags": ["B-EMAIL"]}]),
+        None, lambda d: write_jsonl(d / "v.jsonl", [{"tokens": ["bo@x.io"], "ner_tags": ["B-EMAIL"]}]),
         "tag(s) B-EMAIL that training data never has"),
     "I- right after O": (
-        lambda d: jsonl(d / "t.jsonl", [*GOOD, {"tokens": ["a", "b"], "ner_tags": ["O", "I-ORDER"]}]), None,
+        lambda d: write_jsonl(d / "t.jsonl", [*GOOD, {"tokens": ["a", "b"], "ner_tags": ["O", "I-ORDER"]}]), None,
         "I-ORDER follows O, which BIO does not allow"),
-    "an empty sentence": (lambda d: jsonl(d / "t.jsonl", [*GOOD, {"tokens": [], "ner_tags": []}]), None,
+    "an empty sentence": (lambda d: write_jsonl(d / "t.jsonl", [*GOOD, {"tokens": [], "ner_tags": []}]), None,
                           "train data row 3 is an empty sentence"),
     "words that are not strings": (
-        lambda d: jsonl(d / "t.jsonl", [*GOOD, {"tokens": [4, 5], "ner_tags": ["O", "O"]}]), None,
+        lambda d: write_jsonl(d / "t.jsonl", [*GOOD, {"tokens": [4, 5], "ner_tags": ["O", "O"]}]), None,
         "holds 4, not a word"),
     "a CoNLL file whose columns change": (
         lambda d: str((d / "t.conll").write_text("a X O\nb B-ORDER\n") and d / "t.conll"), None,
@@ -201,30 +198,36 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_input_is_one_error_line_and_changes_nothing(tmp_path, capsys, case):
+def test_bad_input_is_one_error_line_and_changes_nothing(tmp_path, case):
     make_train, make_validation, expected = BAD[case]
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("kept")
-    train = make_train(tmp_path) if make_train else jsonl(tmp_path / "good_t.jsonl", GOOD)
-    validation = make_validation(tmp_path) if make_validation else jsonl(tmp_path / "good_v.jsonl", GOOD)
+    train = make_train(tmp_path) if make_train else write_jsonl(tmp_path / "good_t.jsonl", GOOD)
+    validation = make_validation(tmp_path) if make_validation else write_jsonl(tmp_path / "good_v.jsonl", GOOD)
     flags = ["--train_file", train, "--validation_file", validation, "--output_dir", str(tmp_path / "out")]
-    assert_refused(load_recipe("token_classify").main, flags, tmp_path, capsys, expected)
+    assert_refused("token_classify", flags, tmp_path, expected)
 
 
-def test_token_level_loss_is_the_mean_over_labelled_sub_tokens():
-    """The loss the task hands the loop is a sum over labelled sub-tokens (the loop divides by their count)."""
+def test_the_loss_is_the_mean_over_labelled_sub_tokens(tagged_data, tiny_bert, tmp_path):
+    """The task's sum over a batch, divided by the loss units the loop divides by, is cross-entropy's own mean over
+    the sub-tokens that carry a label: padding and untrained pieces (-100) count for nothing."""
     recipe = load_recipe("token_classify")
-    task = recipe.TokenClassifyTask(recipe.TokenClassifyArguments())
-    logits = torch.randn(2, 5, 3)
-
-    class Model:
-        def __call__(self, **batch):
-            return type("Out", (), {"logits": logits})()
-
-    labels = torch.tensor([[-100, 1, 2, -100, -100], [-100, 0, -100, 1, -100]])
-    loss = task.loss(Model(), {"labels": labels, "input_ids": torch.zeros(2, 5, dtype=torch.long)})
-    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="mean") * 4
-    torch.testing.assert_close(loss, expected)
+    cfg, args = recipe.parse_config(recipe.TokenClassifyArguments, [*tagged_data, "--model_name_or_path",
+                                                                    str(tiny_bert), "--output_dir", str(tmp_path)])
+    task = recipe.TokenClassifyTask(args)
+    tokenizer = task.load_tokenizer(cfg)
+    setup = task.setup(cfg, tokenizer, load_or_build(task, cfg, tokenizer))
+    rows = list(range(8))
+    batch = setup.collate(setup.train_set.__getitems__(rows))
+    labels = batch["labels"].clone()
+    assert (labels == IGNORE).any() and (labels != IGNORE).any()
+    with torch.no_grad():
+        loss = task.loss(setup.model, dict(batch))
+        logits = setup.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    units = setup.train_set.loss_units[rows].sum()
+    assert units == (labels != IGNORE).sum()
+    expected = torch.nn.functional.cross_entropy(logits[labels != IGNORE], labels[labels != IGNORE])
+    torch.testing.assert_close(loss / units, expected, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("label_all_tokens", [False, True])
