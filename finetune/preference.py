@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,8 +44,8 @@ def check_loss_options(loss_type: str, beta: float, label_smoothing: float) -> N
     """Raises ``UserError`` for options ``dpo_loss`` cannot take (as flags: --loss_type, --beta, --label_smoothing)."""
     if loss_type not in LOSS_TYPES:
         raise UserError(f"--loss_type {loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
-    if beta <= 0:
-        raise UserError(f"--beta is {beta}; it must be positive")
+    if not 0 < beta < math.inf:
+        raise UserError(f"--beta is {beta}; it must be a positive number")
     if not 0 <= label_smoothing < 0.5 or (label_smoothing and loss_type != "robust"):
         raise UserError(f"--label_smoothing is {label_smoothing}; give a share in [0, 0.5) with --loss_type robust, "
                         "or leave it at 0")
