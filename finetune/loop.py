@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import get_scheduler, set_seed
 
@@ -164,6 +165,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
 
         def save_checkpoint() -> Path:
             check_finite()
+            _check_finite_model(runtime, model, progress.global_step, cfg.learning_rate)
             folder = saved[progress.global_step] = runtime.save_checkpoint(cfg.output_dir, progress,
                                                                          cfg.checkpoints_total_limit)
             hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, tokenizer)
@@ -256,22 +258,52 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             "runtime": runtime.name,
             "world_size": runtime.world_size,
         }
-        # (nothing non-finite gets here: the last step is always logged, which checks it first)
+        # (no non-finite loss gets here: the last step is always logged, which checks it first)
+        _check_finite_model(runtime, model, progress.global_step, cfg.learning_rate, metrics.get("eval_loss"))
         _save(runtime, task, cfg, model, tokenizer, data.source, hub, results, eval_outputs)
         runtime.wait_for_save()
         runtime.log({k: results[k] for k in results.keys() - metrics.keys() - UNTRACKED_RESULTS}, progress.global_step)
         runtime.print(f"saved the model to {cfg.output_dir}\n" + json.dumps(results, indent=2))
 
         # -- the end: only the main process waits for its uploads (bounded by --hub_timeout)
-        pushes = hub.finish(stopped_at=lambda: stop.at)  # waits less once a stop signal comes
-        if pushes:
-            results["hub_pushes"] = pushes
-            _write_json(Path(cfg.output_dir) / "all_results.json", results)
-            failed = [p for p in pushes if "error" in p]
-            if failed and cfg.hub_strict:
-                raise UserError(f"{len(failed)} of {len(pushes)} Hub pushes failed and --hub_strict is set; "
-                                f"the model is saved in {cfg.output_dir}")
+        _finish_pushes(hub, cfg, results, stopped_at=lambda: stop.at)
         return results
+
+
+def _finish_pushes(hub: HubPusher, cfg: TrainConfig, results: dict, stopped_at: Callable[[], float]) -> None:
+    """Wait for the run's pushes (less once a stop signal comes: ``stopped_at``) and add their outcomes to
+    ``all_results.json``.
+
+    Raises:
+        UserError: a push failed under ``--hub_strict``.
+    """
+    pushes = hub.finish(stopped_at=stopped_at)
+    if pushes:
+        results["hub_pushes"] = pushes
+        _write_json(Path(cfg.output_dir) / "all_results.json", results)
+        failed = [p for p in pushes if "error" in p]
+        if failed and cfg.hub_strict:
+            raise UserError(f"{len(failed)} of {len(pushes)} Hub pushes failed and --hub_strict is set; "
+                            f"the model is saved in {cfg.output_dir}")
+
+
+def _check_finite_model(runtime: Runtime, model, step: int, learning_rate: float, eval_loss: float | None = None
+                        ) -> None:
+    """Raise on every process when a weight of the model (of any process's shard) or ``eval_loss`` is not finite:
+    a finite loss and gradient can still be followed by an update that is not (a learning rate beyond float32), and
+    such a model is never saved or pushed.
+
+    Raises:
+        UserError: the first of the two that is not finite, named.
+    """
+    weights = [p.to_local() if isinstance(p, DTensor) else p for p in runtime.unwrap(model).parameters()]
+    local = not bool(torch.stack([torch.isfinite(w).all() for w in weights]).all())
+    bad_weights, bad_loss = runtime.max_over_processes([float(local), float(not math.isfinite(eval_loss or 0.0))])
+    what = "a weight" if bad_weights else "the evaluation loss" if bad_loss else None
+    if what:
+        raise UserError(f"{what} was not finite after step {step}, so nothing from that step on was saved; lower "
+                        f"--learning_rate (now {learning_rate}), keep --max_grad_norm above 0, look for extreme rows in "
+                        "the data, and resume from the last checkpoint")
 
 
 def _starting_checkpoint(cfg: TrainConfig, env: LaunchEnvironment, launch: str) -> tuple[Path | None, bool]:

@@ -154,3 +154,22 @@ def test_a_second_run_on_a_folder_a_living_run_holds_is_refused_and_a_killed_run
                            cwd=REPO, capture_output=True, text=True)
     assert third.returncode == 0, third.stderr[-3000:]
     assert not (out / ".finetune.lock").exists(), "the lock file goes when its run ends"
+
+
+@pytest.mark.parametrize("checkpointing", [[], ["--checkpointing_steps", "1"]], ids=["final save", "checkpoint"])
+def test_weights_an_update_made_non_finite_are_never_saved(small_data, tmp_path, capsys, checkpointing):
+    """At learning rate 1e39 (finite, but not in float32) step 1's loss and gradient are finite and its update makes
+    every weight NaN: neither the checkpoint of that step nor the final model is written over the earlier model."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (out / name).write_text(f"the earlier run's {name}")
+    before = snapshot(out)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(load_recipe().main, [*data_flags(small_data), *FAST_FLAGS, "--learning_rate", "1e39",
+                                      "--max_train_steps", "1", "--overwrite_output_dir", "--output_dir", str(out),
+                                      *checkpointing])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert exit_info.value.code == 2 and len(errors) == 1
+    assert errors[0].startswith("error: a weight was not finite after step 1, so nothing from that step on was saved")
+    assert {name: digest for name, digest in snapshot(out).items() if name != "log_history.jsonl"} == before
