@@ -302,8 +302,8 @@ def _check_finite_model(runtime: Runtime, model, step: int, learning_rate: float
     what = "a weight" if bad_weights else "the evaluation loss" if bad_loss else None
     if what:
         raise UserError(f"{what} was not finite after step {step}, so nothing from that step on was saved; lower "
-                        f"--learning_rate (now {learning_rate}), keep --max_grad_norm above 0, look for extreme rows in "
-                        "the data, and resume from the last checkpoint")
+                        f"--learning_rate (now {learning_rate}), keep --max_grad_norm above 0, look for extreme rows "
+                        "in the data, and resume from the last checkpoint")
 
 
 def _starting_checkpoint(cfg: TrainConfig, env: LaunchEnvironment, launch: str) -> tuple[Path | None, bool]:
