@@ -2,9 +2,10 @@
 
 A task turns its raw splits into tokenized rows (``Task.tokenize``, through ``Tokenizing.map``). That
 happens once per *cache key*: the result stays on disk as Arrow files (token ids as int32), in a folder
-named by a hash of everything that changes a token: the raw splits' fingerprints (``datasets`` derives them
-from the files or the Hub revision), the tokenizer's files (its chat template included), the task and the
-options it names (``Task.data_options``), and the source of the code that tokenizes. A later run, a resume
+named by a hash of everything that changes a token: the raw splits (a local file by its size and a hash of
+its content, a Hub dataset by the fingerprint ``datasets`` derives from its revision), the tokenizer's files
+(its chat template included), the task and the options it names (``Task.data_options``), and the source of
+the code that tokenizes. A later run, a resume
 or a restart with the same key memory-maps the files and starts in seconds at any size; the pages are the
 OS's, shared by every process of a node, so a process's memory does not grow with the data.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -30,6 +32,7 @@ import datasets
 import filelock
 
 from finetune.batching import LENGTH, LOSS_UNITS
+from finetune.data import file_digest
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 
@@ -129,9 +132,12 @@ def cache_folder(task, cfg, tokenizer) -> tuple[Path, dict, datasets.DatasetDict
         UserError: the raw data cannot be had (see ``Task.load_data``).
     """
     raw, source = task.load_data(cfg)
+    files = {"train": cfg.train_file, "validation": cfg.validation_file}
     parts = {
         "task": task.name,
-        "data": {split: raw[split]._fingerprint for split in ("train", "validation")},
+        # A local file by its size and content; a Hub dataset or embedded default by datasets' fingerprint.
+        "data": {split: {"size": os.path.getsize(path), "xxh3_128": file_digest(path)} if path else
+                 raw[split]._fingerprint for split, path in files.items()},
         "tokenizer": _tokenizer_digest(tokenizer),
         "options": task.data_options(cfg),
         "code": _code_digest(task),

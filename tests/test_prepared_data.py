@@ -27,6 +27,7 @@ from conftest import (
     write_csv,
 )
 
+from finetune.data import file_digest
 from finetune.errors import UserError
 from finetune.prepared_data import cache_folder, load_or_build
 
@@ -265,3 +266,50 @@ def assert_fetches_start_at_the_checkpoint(ranks: list[dict], checkpoint: Path) 
                     for b in sampler.plan(epoch, rank)[progress["batches_in_epoch"] if epoch == progress["epoch"]
                                                        else 0:]]
         assert record["fetched"] == expected
+
+
+# -- a local file is known by its content; a cache that cannot be used is built again
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def tickets(path: Path, labels: str) -> Path:
+    return write_jsonl(path, [{"text": f"ticket number {i}", "label": label} for i, label in enumerate(labels)])
+
+
+def edit_keeping_the_modification_time(path: Path, labels: str) -> None:
+    """The rows' labels changed in place (the same size), the modification time put back as ``touch -r`` does."""
+    stat = path.stat()
+    tickets(path, labels)
+    assert path.stat().st_size == stat.st_size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_file_edited_with_its_modification_time_kept_is_read_again(tmp_path):
+    train = tickets(tmp_path / "t.jsonl", "abab")
+    validation = write_jsonl(tmp_path / "v.jsonl", [{"text": "ticket", "label": label} for label in "ab"])
+    flags = ["--train_file", str(train), "--validation_file", str(validation), "--dataset_cache_dir",
+             str(tmp_path / "cache")]
+    assert list(load_or_build(*classify(flags)).train["labels"]) == [0, 1, 0, 1]
+    edit_keeping_the_modification_time(train, "bbaa")
+    assert list(load_or_build(*classify(flags)).train["labels"]) == [1, 1, 0, 0]
+    edit_keeping_the_modification_time(train, "abba")
+    assert list(load_or_build(*classify([*flags, "--overwrite_cache"])).train["labels"]) == [0, 1, 1, 0]
+
+
+def test_overwrite_cache_reads_the_raw_files_again_not_datasets_copy_of_them(tmp_path):
+    from datasets.arrow_writer import ArrowWriter
+
+    train = write_jsonl(tmp_path / "t.jsonl", [{"text": f"note {i}", "label": label} for i, label in enumerate("abab")])
+    validation = tickets(tmp_path / "v.jsonl", "ab")
+    flags = ["--train_file", str(train), "--validation_file", str(validation), "--dataset_cache_dir",
+             str(tmp_path / "cache")]
+    load_or_build(*classify(flags))
+    (copy,) = (Path(os.environ["HF_DATASETS_CACHE"]) / "finetune-files" / file_digest(str(train))).rglob("*.arrow")
+    with ArrowWriter(path=str(copy)) as writer:  # datasets' copy no longer says what the file says
+        writer.write_batch({"text": [f"note {i}" for i in range(4)], "label": list("bbab")})
+    assert list(load_or_build(*classify([*flags, "--max_seq_length", "40"])).train["labels"]) == [1, 1, 0, 1]
+    assert list(load_or_build(*classify([*flags, "--overwrite_cache"])).train["labels"]) == [0, 1, 0, 1]
+
