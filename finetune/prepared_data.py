@@ -11,27 +11,35 @@ OS's, shared by every process of a node, so a process's memory does not grow wit
 
 One process per node builds (local rank 0, under a file lock in the cache folder, so nodes that share the
 folder build it once); the others wait on a barrier with no practical time limit, then open it. A build is
-written into ``FOLDER.partial`` and renamed when complete, and a build that fails on a bad row leaves
-nothing: a later run never reads a half-made cache.
+written into ``FOLDER.partial``, flushed to disk and renamed when complete, and a build that fails on a bad row
+leaves nothing: a later run never reads a half-made cache. ``prepared.json`` records each file's size and
+checksum; a folder that no longer matches them (a truncated or changed file, no ``prepared.json``) is built
+again. Every process opens the folder under the lock, so an ``--overwrite_cache`` build elsewhere never removes
+it while it is being opened (once open, the memory-mapped files stay readable).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import importlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 import filelock
+import xxhash
 
 from finetune.batching import LENGTH, LOSS_UNITS
+from finetune.checkpoint import fsync_directory
 from finetune.data import file_digest
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
@@ -42,6 +50,8 @@ IGNORE = -100
 TOKEN_IDS = datasets.Sequence(datasets.Value("int32"))
 """How token ids (and token labels) are stored: int32, a quarter of what Python and int64 take."""
 META_FILE = "prepared.json"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""Why a write fails when the disk is to blame: full, a quota, a file size limit."""
 
 
 @dataclass
@@ -159,12 +169,15 @@ def load_or_build(task, cfg, tokenizer, runtime=None) -> PreparedData:
     built = False
     if env.local_rank == 0:
         folder, parts, raw, source = cache_folder(task, cfg, tokenizer)
-        built = _build(task, cfg, tokenizer, folder, parts, raw, source)
+        with _locked(folder):
+            built = _build(task, cfg, tokenizer, folder, parts, raw, source)
+            data = _open(folder)
     if runtime is not None:  # the others wait for the builders however long they take (not --ddp_timeout)
         runtime.wait_for_save()
     if env.local_rank != 0:
         folder = cache_folder(task, cfg, tokenizer)[0]
-    data = _open(folder)
+        with _locked(folder):
+            data = _open(folder)
     how = (f"built in {time.perf_counter() - started:.1f} s with {cfg.preprocessing_num_workers or 1} worker(s)"
            if built else "cached")
     if runtime is None or runtime.is_main_process:
@@ -173,8 +186,13 @@ def load_or_build(task, cfg, tokenizer, runtime=None) -> PreparedData:
     return data
 
 
-def _build(task, cfg, tokenizer, folder: Path, parts: dict, raw: datasets.DatasetDict, source: str) -> bool:
-    """Tokenize into ``folder`` unless it is complete already; whether it was built."""
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Hold the cache folder's lock (a file beside it), which builders and openers of the folder take.
+
+    Raises:
+        UserError: the folder's parent cannot be written.
+    """
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         lock = filelock.FileLock(str(folder) + ".lock")
@@ -183,25 +201,81 @@ def _build(task, cfg, tokenizer, folder: Path, parts: dict, raw: datasets.Datase
         raise UserError(f"the data cache {folder.parent} cannot be written ({err.strerror}); choose another "
                         "--dataset_cache_dir") from None
     try:
-        if folder.is_dir() and not cfg.overwrite_cache:
-            return False
-        partial = folder.with_name(folder.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)  # a build that was killed
-        partial.mkdir()
-        try:
-            tokenizing = Tokenizing(partial, cfg.preprocessing_num_workers)
-            info = task.tokenize(raw, tokenizer, cfg, tokenizing)
-            meta = {"key": parts, "source": source, "info": info, "files": tokenizing.files}
-            (partial / META_FILE).write_text(json.dumps(meta, indent=2))
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        if folder.exists():  # --overwrite_cache
-            shutil.rmtree(folder)
-        partial.rename(folder)
-        return True
+        yield
     finally:
         lock.release()
+
+
+def _build(task, cfg, tokenizer, folder: Path, parts: dict, raw: datasets.DatasetDict, source: str) -> bool:
+    """Tokenize into ``folder`` unless it holds an intact build already; whether it was built. Call it holding
+    the folder's lock (``_locked``).
+
+    Raises:
+        UserError: bad raw data (the task's messages), or a disk that cannot hold the build.
+    """
+    if folder.is_dir() and not cfg.overwrite_cache:
+        damage = _damage(folder)
+        if damage is None:
+            return False
+        print(f"warning: the data cache {folder} cannot be used ({damage}); building it again", file=sys.stderr,
+              flush=True)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # a build that was killed
+    partial.mkdir()
+    try:
+        tokenizing = Tokenizing(partial, cfg.preprocessing_num_workers)
+        info = task.tokenize(raw, tokenizer, cfg, tokenizing)
+        checksums = {file: _checksum(partial / file, sync=True) for files in tokenizing.files.values()
+                     for file in files}
+        meta = {"key": parts, "source": source, "info": info, "files": tokenizing.files, "checksums": checksums}
+        with open(partial / META_FILE, "w") as f:
+            json.dump(meta, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno in DISK_FULL:
+            raise UserError(f"cannot write the data cache {folder} ({err.strerror}); free disk space or choose "
+                            "another --dataset_cache_dir") from None
+        raise
+    if folder.exists():  # --overwrite_cache, or a damaged build
+        shutil.rmtree(folder)
+    partial.rename(folder)
+    fsync_directory(folder.parent)
+    return True
+
+
+def _checksum(path: Path, sync: bool = False) -> dict:
+    """The file's size and xxh3-128 hash, as ``prepared.json`` records them; with ``sync``, once the file is
+    flushed to disk."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 23), b""):
+            digest.update(block)
+        if sync:
+            os.fsync(f.fileno())
+    return {"size": path.stat().st_size, "xxh3_128": digest.hexdigest()}
+
+
+def _damage(folder: Path) -> str | None:
+    """What makes a built cache folder unusable (no readable ``prepared.json``, a file missing, cut short or
+    changed since the build), or None."""
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+        checksums = {file: meta["checksums"][file] for files in meta["files"].values() for file in files}
+    except FileNotFoundError:
+        return f"it has no {META_FILE}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"its {META_FILE} cannot be read"
+    for file, expected in checksums.items():
+        path = folder / file
+        if not path.is_file():
+            return f"{file} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{file} holds {path.stat().st_size} bytes where the build wrote {expected['size']}"
+        if _checksum(path) != expected:
+            return f"{file} changed after the build (its checksum differs)"
+    return None
 
 
 def _open(folder: Path) -> PreparedData:

@@ -313,3 +313,97 @@ def test_overwrite_cache_reads_the_raw_files_again_not_datasets_copy_of_them(tmp
     assert list(load_or_build(*classify([*flags, "--max_seq_length", "40"])).train["labels"]) == [1, 1, 0, 1]
     assert list(load_or_build(*classify([*flags, "--overwrite_cache"])).train["labels"]) == [0, 1, 0, 1]
 
+
+def damage_cache(folder: Path, damage: str) -> None:
+    arrow = folder / "train.arrow"
+    if damage == "truncated":
+        arrow.write_bytes(arrow.read_bytes()[:len(arrow.read_bytes()) // 2])
+    elif damage == "changed":
+        data = bytearray(arrow.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        arrow.write_bytes(bytes(data))
+    else:
+        (folder / "prepared.json").unlink()
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    ("truncated", r"train\.arrow holds \d+ bytes where the build wrote \d+"),
+    ("changed", r"train\.arrow changed after the build \(its checksum differs\)"),
+    ("no prepared.json", r"it has no prepared\.json"),
+])
+def test_a_cache_folder_that_cannot_be_used_is_said_in_one_line_and_built_again(small_data, tmp_path, capsys,
+                                                                                damage, reason):
+    import re
+
+    flags = [*data_flags(small_data), "--dataset_cache_dir", str(tmp_path / "cache")]
+    built = load_or_build(*classify(flags))
+    rows, folder = built.train.to_dict(), built.folder
+    del built  # its memory map of the file damaged next
+    damage_cache(folder, damage)
+    capsys.readouterr()
+    again = load_or_build(*classify(flags))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and re.fullmatch(
+        f"warning: the data cache {re.escape(str(folder))} cannot be used \\({reason}\\); building it again",
+        warnings[0]), warnings
+    assert again.folder == folder and again.train.to_dict() == rows
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name, folder.name + ".lock"]
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_every_process_opens_the_cache_holding_its_lock(small_data, tmp_path, monkeypatch, local_rank):
+    """So that an --overwrite_cache build on another node cannot remove the folder while a process opens it."""
+    import filelock
+
+    flags = [*data_flags(small_data), "--dataset_cache_dir", str(tmp_path / "cache")]
+    folder = load_or_build(*classify(flags)).folder
+    held = []
+    original = datasets.Dataset.from_file
+
+    def from_file(*args, **kwargs):
+        probe = filelock.FileLock(str(folder) + ".lock", timeout=0)
+        try:
+            probe.acquire()
+            probe.release()
+            held.append(False)
+        except filelock.Timeout:
+            held.append(True)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(datasets.Dataset, "from_file", from_file)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert len(load_or_build(*classify(flags)).train) == 42
+    assert held == [True, True], "both splits' files were opened under the lock"
+
+
+def test_a_disk_that_fills_during_a_build_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """Files stop growing at 64 kB while the train split is written (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC)."""
+    import resource
+
+    from finetune.prepared_data import Tokenizing
+
+    rows = [{"text": f"please look at ticket number {i} " * 3, "label": "ab"[i % 2]} for i in range(3000)]
+    flags = ["--train_file", str(write_jsonl(tmp_path / "t.jsonl", rows)), "--validation_file",
+             str(tickets(tmp_path / "v.jsonl", "ab")), "--dataset_cache_dir", str(tmp_path / "cache"),
+             "--max_seq_length", "64"]
+    task, cfg, tokenizer = classify(flags)
+    original = Tokenizing.map
+
+    def map_on_a_small_disk(self, *args, **kwargs):
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+    monkeypatch.setattr(Tokenizing, "map", map_on_a_small_disk)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing the process
+    try:
+        with pytest.raises(UserError, match=r"^cannot write the data cache .*classify-\w+ \(File too large\); free "
+                                            "disk space or choose another --dataset_cache_dir$"):
+            load_or_build(task, cfg, tokenizer)
+    finally:
+        signal.signal(signal.SIGXFSZ, previous)
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+
