@@ -147,7 +147,8 @@ def test_a_recipe_s_own_float_option_is_checked_finite_at_flag_time(flag, value)
 
 OUT_OF_RANGE = [
     ("weight_decay", "-0.1", "--weight_decay is -0.1; it must be 0 or a positive number"),
-    ("max_grad_norm", "-1", "--max_grad_norm is -1.0; give the norm to clip the gradient to, or 0 to turn clipping off"),
+    ("max_grad_norm", "-1", "--max_grad_norm is -1.0; give the norm to clip the gradient to, or 0 to turn clipping "
+                            "off"),
     ("seed", "-1", "--seed is -1; give a whole number from 0 to 4294967295"),
     ("seed", "4294967296", "--seed is 4294967296; give a whole number from 0 to 4294967295"),
     ("lora_r", "0", "--lora_r is 0; the rank of an adapter is a positive whole number"),
