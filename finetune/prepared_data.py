@@ -21,12 +21,14 @@ it while it is being opened (once open, the memory-mapped files stay readable).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import importlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -93,11 +95,12 @@ class Tokenizing:
         errors = self.folder / f"{name}-errors"
         errors.mkdir()
         typed = datasets.Features({LENGTH: datasets.Value("int32"), LOSS_UNITS: datasets.Value("int32"), **features})
-        mapped = split.map(_Guarded(fn, list(typed), errors), batched=True, with_indices=True,
-                           remove_columns=split.column_names, features=typed, load_from_cache_file=False,
-                           num_proc=self.workers if self.workers and self.workers > 1 else None,
-                           cache_file_name=str(self.folder / f"{name}.arrow"), new_fingerprint=f"finetune-{name}",
-                           desc=f"tokenizing {name}")
+        with _workers_die_with_this_process():
+            mapped = split.map(_Guarded(fn, list(typed), errors), batched=True, with_indices=True,
+                               remove_columns=split.column_names, features=typed, load_from_cache_file=False,
+                               num_proc=self.workers if self.workers and self.workers > 1 else None,
+                               cache_file_name=str(self.folder / f"{name}.arrow"), new_fingerprint=f"finetune-{name}",
+                               desc=f"tokenizing {name}")
         refused = sorted(errors.iterdir())
         if refused:
             raise UserError(refused[0].read_text())
@@ -127,6 +130,39 @@ class _Guarded:
             out[LOSS_UNITS] = ([sum(label != IGNORE for label in row) for row in labels]
                                if labels and isinstance(labels[0], list) else [1] * len(out["input_ids"]))
         return {name: out[name] for name in self.columns}
+
+
+_forking_parent: int | None = None
+"""While a split is tokenized in worker processes, the process that forks them."""
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In a tokenizing worker, just forked: the kernel kills it when the process that forked it dies, however that
+    dies (SIGKILL too). ``datasets``' pool gives its workers no initializer, and without this a killed build leaves
+    them running, each holding its share of the data."""
+    global _forking_parent
+    parent, _forking_parent = _forking_parent, None  # the worker's own children are not tokenizing workers
+    if parent is None:
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
+if sys.platform == "linux":
+    os.register_at_fork(after_in_child=_die_with_parent)
+
+
+@contextlib.contextmanager
+def _workers_die_with_this_process() -> Iterator[None]:
+    """Processes forked while open die with this one (``_die_with_parent``)."""
+    global _forking_parent
+    _forking_parent = os.getpid()
+    try:
+        yield
+    finally:
+        _forking_parent = None
 
 
 def cache_root(cfg) -> Path:

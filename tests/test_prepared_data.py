@@ -407,3 +407,35 @@ def test_a_disk_that_fills_during_a_build_is_one_clear_error_and_leaves_nothing(
         signal.signal(signal.SIGXFSZ, previous)
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
 
+
+def test_tokenizing_workers_die_with_a_build_that_is_killed(small_data, tmp_path):
+    import psutil
+
+    flags = [*data_flags(small_data), "--dataset_cache_dir", str(tmp_path / "cache"), "--preprocessing_num_workers",
+             "2"]
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, time
+sys.path.insert(0, {str(REPO / 'tests')!r})
+from conftest import load_recipe
+from finetune import prepared_data
+def hang(self, batch, rows):
+    print("worker", os.getpid(), flush=True)
+    time.sleep(600)
+prepared_data._Guarded.__call__ = hang
+recipe = load_recipe()
+cfg, args = recipe.parse_config(recipe.ClassifyArguments, {flags!r})
+task = recipe.ClassifyTask(args)
+prepared_data.load_or_build(task, cfg, task.load_tokenizer(cfg))
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        started = [child.stdout.readline() for _ in range(2)]
+        assert all(line.startswith("worker ") for line in started), started
+        processes = psutil.Process(child.pid).children(recursive=True)  # the pool's, the tokenizing ones among them
+        assert {int(line.split()[1]) for line in started} <= {p.pid for p in processes}
+    finally:
+        child.kill()
+        child.wait()
+    gone, alive = psutil.wait_procs(processes, timeout=60)
+    for process in alive:
+        process.kill()
+    assert not alive, "every process the build started died with it"
