@@ -58,12 +58,18 @@ def encode_labels(train: datasets.Dataset, validation: datasets.Dataset, column:
 
 def _label_values(split: datasets.Dataset, column: str, name: str) -> list:
     values = split[column]
+    first_of_kind = {}  # text or number: the row of the first label of each kind
     for row, value in enumerate(values):
         if value is None or (isinstance(value, float) and math.isnan(value)):
             raise UserError(f"{name} data row {row + 1} has no label in column {column!r}; fill it in or drop the row")
         if isinstance(value, float) and not value.is_integer():
             raise UserError(
                 f"{name} data row {row + 1} has label {value} in column {column!r}; labels must be class names or ids")
+        first_of_kind.setdefault(isinstance(value, str), row)
+    if len(first_of_kind) > 1:
+        text, number = first_of_kind[True], first_of_kind[False]
+        raise UserError(f"{name} data mixes class names and ids in column {column!r} (row {text + 1}: "
+                        f"{values[text]!r}, row {number + 1}: {values[number]!r}); give every label the same way")
     return [int(v) if isinstance(v, float) else v for v in values]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import json
 import os
 from collections.abc import Callable
 
@@ -95,6 +96,8 @@ def _load_file(path: str, flag: str, readers: dict[str, Callable[[str], datasets
     if extension not in FILE_BUILDERS:
         known = [*FILE_BUILDERS, *readers]
         raise UserError(f"{flag} {path}: unsupported file type {extension or '(none)'}; use one of {', '.join(known)}")
+    if _is_blank(path):
+        raise UserError(f"{flag} {path} holds no rows; give it at least one example")
     # In a TSV a quote is text: a text that starts with one must not swallow the rows after it.
     options = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if extension == ".tsv" else {}
     # datasets keys its Arrow copy by the file's path and modification time: a copy per content is never stale.
@@ -105,9 +108,35 @@ def _load_file(path: str, flag: str, readers: dict[str, Callable[[str], datasets
     except Exception as err:  # the builders raise many types (ArrowInvalid, DatasetGenerationError, ...)
         if "corresponds to no data" in str(err):  # datasets' words for a file with a header and no rows
             raise UserError(f"{flag} {path} holds no rows; give it at least one example") from None
+        if FILE_BUILDERS[extension] == "json" and (line := _first_bad_json_line(path)):
+            number, reason = line
+            raise UserError(f"{flag} {path} line {number} is not a JSON object ({reason}); fix the line") from None
         cause = err.__cause__ or err
         reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         raise UserError(f"{flag} {path} could not be read as {extension[1:]} ({reason}); fix the file") from None
+
+
+def _is_blank(path: str) -> bool:
+    """Whether the file holds nothing but white space (the readers fail on it with no words of their own)."""
+    with open(path, "rb") as f:
+        return not any(block.strip() for block in iter(lambda: f.read(1 << 16), b""))
+
+
+def _first_bad_json_line(path: str) -> tuple[int, str] | None:
+    """``(number, reason)`` of the first line of a JSON-lines file that is not a JSON object, counting from 1 as an
+    editor does (pyarrow names a row counted from 0 within a block); None for a file that is not JSON lines, such as
+    one JSON document over many lines."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as err:
+                return None if number == 1 and path.lower().endswith(".json") else (number, err.msg)
+            if not isinstance(value, dict):
+                return number, f"a {type(value).__name__}"
+    return None
 
 
 def _load_hub_dataset(name: str, config_name: str | None, trust_remote_code: bool) -> datasets.DatasetDict:
