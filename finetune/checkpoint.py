@@ -71,6 +71,9 @@ MANIFEST_FILE = "manifest.json"
 LOCK_FILE = ".finetune.lock"
 LOG_HISTORY = "log_history.jsonl"
 FINAL_PARTIAL = ".final.partial"
+SAVED_FILES = ".finetune_saved.json"
+"""The files the last final save wrote, relative to the output folder: the next save removes those it does not
+write."""
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -433,11 +436,14 @@ def save_model(model: torch.nn.Module, state_dict: dict, tokenizer, output_dir: 
 
 def write_final_model(output_dir: str, write: Callable[[Path], None]) -> list[str]:
     """Write the final model with ``write(folder)`` into ``output_dir/.final.partial``, flush it to disk, then move
-    each file and folder into ``output_dir`` (an entry of the same name there is replaced); returns the paths,
-    relative to ``output_dir``, of the files written: what this run saved.
+    each file and folder into ``output_dir`` (an entry of the same name there is replaced) and remove the files
+    the previous final save wrote that this one did not (an adapter beside a new full model, an old model card,
+    ``merged/``); returns the paths, relative to ``output_dir``, of the files written: what this run saved.
 
     Until everything is written and flushed, the model already in ``output_dir`` is untouched; a kill then
-    leaves only the hidden partial folder, which the next save removes. Each file is replaced whole.
+    leaves only the hidden partial folder, which the next save removes. Each file is replaced whole. Files no
+    save wrote (the user's own, checkpoints, the log) stay: ``SAVED_FILES`` records what each save wrote, and
+    while one save replaces another it lists the files of both.
     Raises what ``write`` raises (``.final.partial`` is removed first).
     """
     output = Path(output_dir)
@@ -454,6 +460,8 @@ def write_final_model(output_dir: str, write: Callable[[Path], None]) -> list[st
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    earlier = _saved_files(output)
+    _write_saved_files(output, sorted({*earlier, *files}))
     replaced.mkdir()
     for entry in sorted(staging.iterdir()):
         target = output / entry.name
@@ -463,7 +471,37 @@ def write_final_model(output_dir: str, write: Callable[[Path], None]) -> list[st
     fsync_directory(output)
     shutil.rmtree(replaced)
     staging.rmdir()
+    for name in sorted(set(earlier) - set(files)):
+        path = output / name
+        path.unlink(missing_ok=True)
+        for folder in path.parents:  # the folders it leaves empty, up to the output folder
+            if folder == output or any(folder.iterdir()):
+                break
+            folder.rmdir()
+    _write_saved_files(output, files)
     return files
+
+
+def _saved_files(output: Path) -> list[str]:
+    """The names in ``SAVED_FILES`` of files a save may have written: inside ``output``, none hidden (the lock, the
+    record itself) and reached through no symbolic link, since a record edited by hand must reach nothing else."""
+    try:
+        names = json.loads((output / SAVED_FILES).read_text())
+    except (OSError, ValueError):
+        return []
+    root = output.resolve()
+    return [name for name in names if isinstance(name, str) and Path(name).parts and not Path(name).is_absolute()
+            and not any(part == ".." or part.startswith(".") for part in Path(name).parts)
+            and (output / name).parent.resolve() == (root / name).parent and not (output / name).is_dir()]
+
+
+def _write_saved_files(output: Path, names: list[str]) -> None:
+    partial = output / (SAVED_FILES + ".partial")
+    with open(partial, "w") as f:
+        json.dump(names, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    partial.replace(output / SAVED_FILES)
 
 
 def fsync_directory(path: Path) -> None:

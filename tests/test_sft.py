@@ -382,3 +382,23 @@ def test_the_hub_gets_the_adapter_the_merged_model_and_a_peft_card(hub, tiny_mod
     card = files["README.md"].decode()
     assert "library_name: peft" in card and "AutoPeftModelForCausalLM.from_pretrained(\"alice/support-chat\")" in card
     assert "eval_loss" in card and HUB_TOKEN not in card + result.stdout + result.stderr
+
+
+def test_a_full_model_saved_over_an_adapter_loads_as_itself(tiny_model, chat_files, tmp_path):
+    """A LoRA run with its merged model, then a full fine-tune into the same folder: no adapter, card or merged/ of
+    the first is left, so from_pretrained gives exactly the saved weights (the old adapter would be attached)."""
+    out = tmp_path / "out"
+    flags = [*chat_files, "--model_name_or_path", str(tiny_model), "--output_dir", str(out), "--max_train_steps", "1",
+             "--eval_generate", "0", "--learning_rate", "1e-2"]
+    run_main(load_recipe("sft").main, [*flags, "--merge_lora"])
+    assert (out / "adapter_model.safetensors").is_file() and (out / "merged").is_dir()
+    run_main(load_recipe("sft").main, [*flags, "--no_use_lora", "--overwrite_output_dir"])
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "all_results.json", "chat_template.jinja", "config.json", "generation_config.json", "log_history.jsonl",
+        "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    saved = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    saved.load_state_dict(load_file(out / "model.safetensors"), strict=False)  # the tied head is the embedding
+    ids = torch.tensor([[1, 400, 2000, 35, 7]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, saved(ids).logits)
