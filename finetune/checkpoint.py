@@ -294,10 +294,10 @@ def resolve_resume_checkpoint(value: str | None, output_dir: str) -> Path | None
     return folder
 
 
-def _checkpoints_of(output_dir: str, run_id: str, other: bool = False) -> list[tuple[int, Path]]:
-    """(step, folder) of the complete checkpoints of run ``run_id`` (of every other run with ``other``)."""
+def _checkpoints_of(output_dir: str, run_id: str) -> list[tuple[int, Path]]:
+    """(step, folder) of the complete checkpoints of run ``run_id``."""
     return [(step, folder) for step, folder in _complete_checkpoints(output_dir)
-            if (getattr(_written_by(folder), "run_id", None) == run_id) != other]
+            if getattr(_written_by(folder), "run_id", None) == run_id]
 
 
 def prune_checkpoints(output_dir: str, limit: int | None, progress: Progress) -> None:
@@ -312,15 +312,19 @@ def prune_checkpoints(output_dir: str, limit: int | None, progress: Progress) ->
         shutil.rmtree(folder)
 
 
-def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None) -> None:
-    """Refuse to write over a saved model or another run's checkpoints unless asked to; change nothing.
+def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None, found_in_folder: bool = False
+                     ) -> None:
+    """Refuse to write over a saved model or checkpoints of another trajectory unless asked to; change nothing.
 
-    Another run's checkpoints stay until ``clear_output_dir``, once the run has what it needs to start.
+    ``found_in_folder``: ``resume_from`` is what ``latest`` (or a launcher's restart) found in ``output_dir``, the
+    newest checkpoint there that verifies, or None when none does. What ``overwrite`` removes stays until
+    ``clear_output_dir``, once the run has what it needs to start.
 
     Raises:
         UserError: a fresh run (``resume_from`` None) into a folder that holds a model or complete checkpoints,
-            or a resumed run into one that holds another run's checkpoints of later steps (``latest`` would
-            take those), unless ``overwrite``; ``output_dir`` is a file or cannot be written.
+            or a resumed run into one that holds complete checkpoints of later steps (``latest`` would take those:
+            another run's, or those of the trajectory this resume abandons), unless ``overwrite``; ``output_dir``
+            is a file or cannot be written.
     """
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
@@ -337,19 +341,28 @@ def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None)
         return
     if resume_from is not None:
         resumed = read_progress(resume_from)
-        later = [folder.name for step, folder in _checkpoints_of(output_dir, resumed.run_id, other=True)
-                 if step > resumed.global_step]
+        # Later checkpoints of its own run that `latest` skipped are damaged ones, which it will skip again.
+        later = [(folder.name, getattr(_written_by(folder), "run_id", None) == resumed.run_id)
+                 for step, folder in _complete_checkpoints(output_dir) if step > resumed.global_step]
+        later = [(name, own) for name, own in later if not (own and found_in_folder)]
         if later:
-            raise UserError(f"--output_dir {output_dir} holds another run's checkpoints of later steps "
-                            f"({', '.join(later[-3:])}) than {resume_from}, which this run resumes from, and `latest` "
-                            "would continue that run; pass --overwrite_output_dir to remove them once this run starts, "
-                            "or choose another --output_dir")
+            names = ", ".join(name for name, _ in later[-3:])
+            whose, then = (("checkpoints of its own run", "continue the trajectory this resume abandons")
+                           if any(own for _, own in later) else ("another run's checkpoints", "continue that run"))
+            raise UserError(f"--output_dir {output_dir} holds {whose} of later steps ({names}) than {resume_from}, "
+                            f"which this run resumes from, and `latest` would {then}; pass --overwrite_output_dir to "
+                            "remove them once this run starts, or choose another --output_dir")
         return
     if any((path / name).is_file() for name in ("config.json", "adapter_config.json")) or any(
             path.glob("*model*.safetensors")):
         raise UserError(f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir to replace it "
                         "or choose another --output_dir")
     checkpoints = [folder.name for _, folder in _complete_checkpoints(output_dir)]
+    if checkpoints and found_in_folder:
+        raise UserError(f"--output_dir {output_dir} holds checkpoints ({', '.join(checkpoints[-3:])}) of which none "
+                        "verifies (see the warnings above), so --resume_from_checkpoint latest has none to continue "
+                        "from; pass --overwrite_output_dir to start afresh and remove them, or resume from a copy "
+                        "elsewhere with --resume_from_checkpoint PATH")
     if checkpoints:
         raise UserError(f"--output_dir {output_dir} already holds another run's checkpoints "
                         f"({', '.join(checkpoints[-3:])}); pass --resume_from_checkpoint latest to continue that run, "
@@ -358,13 +371,30 @@ def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None)
 
 def clear_output_dir(output_dir: str, progress: Progress, overwrite: bool) -> None:
     """What a run removes once it has what it needs to start (its data, model and checkpoint loaded): with
-    ``overwrite``, every other run's checkpoints; at a fresh start, an earlier run's ``log_history.jsonl``.
-    Call it on the process that holds ``output_dir_lock``."""
+    ``overwrite``, every other run's checkpoints and its own run's of later steps than ``progress`` (a resume from
+    an earlier step abandons them); at a fresh start, an earlier run's ``log_history.jsonl``, and at a resume the
+    lines it holds of later steps (logged again now, or abandoned). Call it on the process that holds
+    ``output_dir_lock``."""
     if overwrite:
-        for _, folder in _checkpoints_of(output_dir, progress.run_id, other=True):
-            shutil.rmtree(folder)
+        for step, folder in _complete_checkpoints(output_dir):
+            if getattr(_written_by(folder), "run_id", None) != progress.run_id or step > progress.global_step:
+                shutil.rmtree(folder)
+    log = Path(output_dir) / LOG_HISTORY
     if progress.global_step == 0:
-        (Path(output_dir) / LOG_HISTORY).unlink(missing_ok=True)
+        log.unlink(missing_ok=True)
+    elif log.is_file():
+        lines = log.read_text().splitlines(keepends=True)
+        partial = log.with_name(LOG_HISTORY + ".partial")
+        partial.write_text("".join(line for line in lines if _logged_step(line) <= progress.global_step))
+        partial.replace(log)
+
+
+def _logged_step(line: str) -> float:
+    """The step of a ``log_history.jsonl`` line; infinity for a line cut short by a kill."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 @contextlib.contextmanager

@@ -88,7 +88,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
     with contextlib.ExitStack() as closing:
         if env.rank == 0:
             closing.enter_context(output_dir_lock(cfg.output_dir))
-        check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
+        check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from, found_in_folder)
         stop = closing.enter_context(StopSignals())
         runtime = closing.enter_context(make_runtime(cfg, _tracker_settings(task, cfg, task_options, resume_from)))
         if found_in_folder:

@@ -304,3 +304,11 @@ def test_a_record_of_saved_files_edited_by_hand_reaches_nothing_outside_the_outp
     write_final_model(str(out), lambda folder: (folder / "config.json").write_text("{}"))
     assert (outside / "victim.txt").read_text() == "precious" and (out / ".finetune.lock").is_file()
     assert json.loads((out / ".finetune_saved.json").read_text()) == ["config.json"]
+
+
+def test_a_resume_keeps_the_log_up_to_its_step_and_a_line_cut_short_goes(tmp_path):
+    (tmp_path / "log_history.jsonl").write_text("".join(f'{{"step": {step}, "loss": 0.5}}\n' for step in range(1, 7))
+                                                + '{"step": 7, "lo')
+    clear_output_dir(str(tmp_path), Progress(global_step=4, run_id="a"), overwrite=False)
+    assert [json.loads(line)["step"] for line in (tmp_path / "log_history.jsonl").read_text().splitlines()] == [
+        1, 2, 3, 4]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FAST_FLAGS, REPO, data_flags, limit_file_size, load_recipe, python_cmd, snapshot
+from conftest import FAST_FLAGS, REPO, data_flags, limit_file_size, load_recipe, log_history, python_cmd, snapshot
 
 from finetune.checkpoint import Progress, verify_checkpoint, write_manifest, write_progress
 from finetune.errors import run_main
@@ -173,3 +175,60 @@ def test_weights_an_update_made_non_finite_are_never_saved(small_data, tmp_path,
     assert exit_info.value.code == 2 and len(errors) == 1
     assert errors[0].startswith("error: a weight was not finite after step 1, so nothing from that step on was saved")
     assert {name: digest for name, digest in snapshot(out).items() if name != "log_history.jsonl"} == before
+
+
+def test_a_resume_from_an_earlier_step_of_the_folder_s_own_run_is_refused(small_data, tmp_path, capsys):
+    """The run went on to step_20: resuming step_5 into the same folder would leave step_15 and step_20 beside the
+    new trajectory's checkpoints, and `latest` would continue the abandoned one."""
+    out = tmp_path / "out"
+    resumed = write_checkpoint(out, 5, "r")
+    for step in (10, 15, 20):
+        write_checkpoint(out, step, "r")
+    before = snapshot(out)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(load_recipe().main, [*data_flags(small_data), "--output_dir", str(out), "--resume_from_checkpoint",
+                                      str(resumed), "--max_train_steps", "10"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert exit_info.value.code == 2 and errors == [
+        f"error: --output_dir {out} holds checkpoints of its own run of later steps (step_10, step_15, step_20) than "
+        f"{resumed}, which this run resumes from, and `latest` would continue the trajectory this resume abandons; "
+        "pass --overwrite_output_dir to remove them once this run starts, or choose another --output_dir"]
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("where", ["in the folder", "a copy elsewhere"])
+def test_overwrite_output_dir_removes_the_steps_a_resume_abandons(small_data, tmp_path, where):
+    from finetune.checkpoint import find_latest_checkpoint, read_progress
+
+    out = tmp_path / "out"
+    flags = [*data_flags(small_data), *FAST_FLAGS, "--per_device_train_batch_size", "8", "--checkpointing_steps", "1",
+             "--output_dir", str(out)]
+    run_main(load_recipe().main, [*flags, "--max_train_steps", "4"])
+    start = out / "checkpoints" / "step_1"
+    if where == "a copy elsewhere":
+        start = Path(shutil.copytree(start, tmp_path / "copy" / "step_1"))
+    first_run = read_progress(start).run_id
+    run_main(load_recipe().main, [*flags, "--max_train_steps", "2", "--resume_from_checkpoint", str(start),
+                                  "--overwrite_output_dir", "--checkpoints_total_limit", "1"])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
+    latest = find_latest_checkpoint(str(out))
+    assert latest == out / "checkpoints" / "step_2" and read_progress(latest).run_id == first_run
+    assert [h["step"] for h in log_history(out)] == [1, 2], "the abandoned steps' lines went too"
+
+
+def test_latest_with_every_checkpoint_damaged_is_not_advised_latest(small_data, tmp_path, capsys):
+    out = tmp_path / "out"
+    for step in (4, 8):
+        (write_checkpoint(out, step, "r") / "model.safetensors").write_bytes(b"damaged")
+    before = snapshot(out)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(load_recipe().main, [*data_flags(small_data), "--output_dir", str(out), "--resume_from_checkpoint",
+                                      "latest"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert exit_info.value.code == 2 and len(errors) == 1 and err.count("warning: skipping") == 2
+    assert errors[0] == (
+        f"error: --output_dir {out} holds checkpoints (step_4, step_8) of which none verifies (see the warnings "
+        "above), so --resume_from_checkpoint latest has none to continue from; pass --overwrite_output_dir to start "
+        "afresh and remove them, or resume from a copy elsewhere with --resume_from_checkpoint PATH")
+    assert snapshot(out) == before
