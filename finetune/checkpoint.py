@@ -28,13 +28,14 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 
 import psutil
 import torch
+import xxhash
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -58,6 +59,7 @@ __all__ = [
     "resolve_resume_checkpoint",
     "resumed_progress",
     "save_model",
+    "tensors_digest",
     "verify_checkpoint",
     "write_final_model",
     "write_manifest",
@@ -369,19 +371,20 @@ def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None,
                         "--overwrite_output_dir to remove them, or choose another --output_dir")
 
 
-def clear_output_dir(output_dir: str, progress: Progress, overwrite: bool) -> None:
+def clear_output_dir(output_dir: str, progress: Progress, overwrite: bool, run_files: Iterable[str] = ()) -> None:
     """What a run removes once it has what it needs to start (its data, model and checkpoint loaded): with
     ``overwrite``, every other run's checkpoints and its own run's of later steps than ``progress`` (a resume from
-    an earlier step abandons them); at a fresh start, an earlier run's ``log_history.jsonl``, and at a resume the
-    lines it holds of later steps (logged again now, or abandoned). Call it on the process that holds
-    ``output_dir_lock``."""
+    an earlier step abandons them); at a fresh start, an earlier run's ``log_history.jsonl`` and ``run_files`` (the
+    task's files for a resume of that run), and at a resume the log's lines of later steps (logged again now, or
+    abandoned). Call it on the process that holds ``output_dir_lock``."""
     if overwrite:
         for step, folder in _complete_checkpoints(output_dir):
             if getattr(_written_by(folder), "run_id", None) != progress.run_id or step > progress.global_step:
                 shutil.rmtree(folder)
     log = Path(output_dir) / LOG_HISTORY
     if progress.global_step == 0:
-        log.unlink(missing_ok=True)
+        for name in (LOG_HISTORY, *run_files):
+            (Path(output_dir) / name).unlink(missing_ok=True)
     elif log.is_file():
         lines = log.read_text().splitlines(keepends=True)
         partial = log.with_name(LOG_HISTORY + ".partial")
@@ -446,6 +449,16 @@ def output_dir_lock(output_dir: str):
         os.close(descriptor)
         if created and not any(path.iterdir()):
             path.rmdir()
+
+
+def tensors_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """An xxh3-128 hash of named tensors (a state dict's items): their names, dtypes, shapes and values."""
+    digest = xxhash.xxh3_128()
+    for name, tensor in tensors:
+        data = tensor.detach().contiguous().cpu().reshape(-1)
+        digest.update(f"{name} {data.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(data.view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def check_unwrapped(state_dict: dict) -> None:

@@ -133,7 +133,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             runtime.print(f"resumed from {resume_from} at step {progress.global_step}")
         progress.launch_id = launch
         if runtime.is_main_process:  # only now that the run has all it needs may it remove what it replaces
-            clear_output_dir(cfg.output_dir, progress, cfg.overwrite_output_dir)
+            clear_output_dir(cfg.output_dir, progress, cfg.overwrite_output_dir, getattr(task, "run_files", ()))
 
         truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None
                      else setup.truncated)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import math
 import os
@@ -29,13 +30,15 @@ from safetensors.torch import load_file, save_file
 from finetune.batching import LENGTH, LOSS_UNITS
 from finetune.causal_lm import label_log_probs, shared_prompt_log_probs
 from finetune.chat import IGNORE, check_conversation, render_reply_spans
+from finetune.checkpoint import tensors_digest
 from finetune.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
 from finetune.prepared_data import TOKEN_IDS, Tokenizing
 
 __all__ = ["LOSS_TYPES", "PairCollator", "Precomputation", "PromptRepliesCollator", "Reference", "check_loss_options",
            "dpo_loss", "is_adapter_folder", "load_causal_lm", "pair_figures", "pair_log_probs", "pair_metrics",
-           "precomputed_reference", "preference_layout", "read_pairs", "tokenize_pairs", "write_pair_predictions"]
+           "precomputed_reference", "preference_layout", "read_pairs", "reference_key", "tokenize_pairs",
+           "write_pair_predictions"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
 
@@ -371,6 +374,14 @@ def load_causal_lm(name_or_path: str, **kwargs):
 def is_adapter_folder(name_or_path: str) -> bool:
     """Whether ``name_or_path`` is a local folder holding a peft adapter (``adapter_config.json``)."""
     return (Path(os.path.expanduser(name_or_path)) / "adapter_config.json").is_file()
+
+
+def reference_key(model, precision: str, data_folder: Path) -> str:
+    """What the precomputed reference of ``model`` (the reference itself: before adapters are added) depends on:
+    its weights and configuration, wherever they came from (a folder retrained in place, an adapter folded in),
+    the precision it runs in and the tokenized data (``data_folder``, the cache folder named by its key)."""
+    return " ".join([tensors_digest(model.state_dict().items()),
+                     hashlib.sha256(model.config.to_json_string().encode()).hexdigest(), precision, data_folder.name])
 
 
 def precomputed_reference(reference: Reference, policy, pairs, collate, batch_size: int, max_tokens: int, path: Path,

@@ -63,6 +63,7 @@ class DPOTask:
                        "finetune.default_chat", "finetune.default_dataset")
     logged_figures = ("rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
                       "logps_rejected")
+    run_files = (REFERENCE_FILE,)
 
     def __init__(self, args: DPOArguments):
         self.args = args
@@ -92,6 +93,9 @@ class DPOTask:
         self.prompts = [row["prompt_ids"] for row in self.prompted]
         model = preference.load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
                                           trust_remote_code=cfg.trust_remote_code)
+        # The precision as the runtimes take it: the flag, else accelerate launch's configuration.
+        precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        reference_key = preference.reference_key(model, precision, data.folder) if args.precompute_ref_log_probs else ""
         if args.use_lora:
             model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
         causal_lm.check_output_layer(model)
@@ -99,7 +103,7 @@ class DPOTask:
         train_set, eval_collate = TokenizedDataset(data.train, COLUMNS), preference.PromptRepliesCollator(pad)
         self.reference = preference.Reference(model, preference.Precomputation(
             train_set, eval_collate, cfg.per_device_eval_batch_size, args.per_device_eval_max_tokens,
-            Path(cfg.output_dir) / REFERENCE_FILE, key=f"{cfg.model_name_or_path} {data.folder.name}",
+            Path(cfg.output_dir) / REFERENCE_FILE, key=reference_key,
         ) if args.precompute_ref_log_probs else None)
         adapter_start = cfg.model_name_or_path and preference.is_adapter_folder(cfg.model_name_or_path)
         return TaskSetup(train_set, TokenizedDataset(data.validation, COLUMNS), preference.PairCollator(pad), model,

@@ -289,3 +289,30 @@ def test_bad_input_is_one_error_line_and_changes_nothing(tiny_model, tmp_path, c
              jsonl(tmp_path / "validation.jsonl", validation or GOOD), "--output_dir", str(tmp_path / "out"),
              "--model_name_or_path", str(tiny_model), "--max_seq_length", "64", *extra_flags]
     assert_refused(load_recipe("dpo").main, flags, tmp_path, capsys, expected)
+
+
+def test_the_precomputed_reference_is_the_model_s_of_this_run(pair_files, tmp_path, capsys):
+    """New weights written into the model folder between two runs: the second's first loss is ln 2 (its reference
+    is its starting model), not what the first run's table gives. A fresh start with the same model computes the
+    table again; a resume reads it."""
+    from finetune.errors import run_main
+
+    tokenizer = AutoTokenizer.from_pretrained(default_chat_model_path())
+    model = make_tiny_model(tmp_path / "model", tokenizer, initializer_range=0.05)
+    out = tmp_path / "out"
+    flags = [*pair_files, "--model_name_or_path", str(model), "--output_dir", str(out), "--max_train_steps", "2",
+             "--per_device_train_batch_size", "4", "--precompute_ref_log_probs", "--checkpointing_steps", "1"]
+    run_main(load_recipe("dpo").main, flags)
+    table = out / "ref_log_probs.safetensors"
+    first = load_file(table)["log_probs"]
+    make_tiny_model(model, tokenizer, initializer_range=0.2)  # retrained in place, as it were
+    run_main(load_recipe("dpo").main, [*flags, "--overwrite_output_dir"])
+    assert history(out)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    second = load_file(table)["log_probs"]
+    assert (second - first).abs().min() > 1e-3
+    written = table.stat().st_mtime_ns
+    run_main(load_recipe("dpo").main, [*flags, "--overwrite_output_dir", "--max_train_steps", "1"])
+    assert table.stat().st_mtime_ns != written and torch.equal(load_file(table)["log_probs"], second)
+    written = table.stat().st_mtime_ns
+    run_main(load_recipe("dpo").main, [*flags, "--resume_from_checkpoint", str(out / "checkpoints" / "step_1")])
+    assert table.stat().st_mtime_ns == written, "read, not computed again"
