@@ -78,8 +78,13 @@ def tokenize_texts(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, 
     """Token ids of ``columns`` (a text, or a text pair), truncated to ``max_length``, unpadded, with the labels.
 
     Raises:
-        UserError: a text that is missing, empty or not a string, with its row in split ``name``.
+        UserError: ``max_length`` leaves no room for a token of each text beside the special tokens, or a text that
+            is missing, empty or not a string, with its row in split ``name``.
     """
+    special = tokenizer.num_special_tokens_to_add(pair=len(columns) > 1)
+    if max_length < special + len(columns):  # the tokenizer would keep only its own tokens, or ignore the limit
+        raise UserError(f"--max_seq_length {max_length} leaves no room for the text: the tokenizer adds {special} "
+                        f"special tokens to each example; give at least {special + len(columns)}")
     # Attention masks are all ones before padding, which makes them; type ids matter for pairs only.
     type_ids = len(columns) > 1 and "token_type_ids" in tokenizer.model_input_names
 

@@ -130,7 +130,9 @@ def _reply(messages: list[dict], where: str, column: str) -> dict:
 def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: str, tokenizing: Tokenizing,
                    generation_prompts: bool = False) -> datasets.Dataset:
     """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (the replies' tokens, after the prompt's), ``index`` (the
-    row) and ``cut`` (whether a reply was cut); one loss unit per pair; ``length`` is the tokens of both rows.
+    row), ``cut`` (whether a reply was cut) and ``same`` (whether both replies are the same tokens, after the cut: a
+    pair that trains nothing, its loss ln 2 and its gradient zero); one loss unit per pair; ``length`` is the tokens
+    of both rows.
 
     A pair with a row longer than ``max_length`` keeps its whole prompt and the start of each reply: both replies
     are cut to the ``max_length - prompt`` tokens left, so each keeps at least one. With ``generation_prompts``
@@ -154,7 +156,8 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
             (start, end), (rejected_start, rejected_end) = chosen_spans[-1], rejected_spans[-1]
             texts += [chosen_text[:start], chosen_text[start:end], rejected_text[rejected_start:rejected_end]]
         ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        out = {"prompt_ids": ids[0::3], "chosen_ids": [], "rejected_ids": [], LENGTH: [], "index": rows, "cut": []}
+        out = {"prompt_ids": ids[0::3], "chosen_ids": [], "rejected_ids": [], LENGTH: [], "index": rows, "cut": [],
+               "same": []}
         for row, prompt_ids, chosen_ids, rejected_ids in zip(rows, ids[0::3], ids[1::3], ids[2::3], strict=True):
             room = max_length - len(prompt_ids)
             if room < 1:
@@ -164,6 +167,7 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
             out["chosen_ids"].append(chosen_ids[:room])
             out["rejected_ids"].append(rejected_ids[:room])
             out["cut"].append(max(len(chosen_ids), len(rejected_ids)) > room)
+            out["same"].append(out["chosen_ids"][-1] == out["rejected_ids"][-1])
             # Both rows: batches are grouped by, and padding efficiency counts, what a pair puts through the model.
             out[LENGTH].append(2 * len(prompt_ids) + len(out["chosen_ids"][-1]) + len(out["rejected_ids"][-1]))
         out[LOSS_UNITS] = [1] * len(rows)
@@ -173,7 +177,7 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
         return out
 
     features = {"prompt_ids": TOKEN_IDS, "chosen_ids": TOKEN_IDS, "rejected_ids": TOKEN_IDS,
-                "index": datasets.Value("int32"), "cut": datasets.Value("bool")}
+                "index": datasets.Value("int32"), "cut": datasets.Value("bool"), "same": datasets.Value("bool")}
     if generation_prompts:
         features.update(prompt_messages=datasets.Value("string"), reference=datasets.Value("string"))
     return tokenizing.map(split, encode, name, features)

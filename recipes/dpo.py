@@ -84,7 +84,8 @@ class DPOTask:
         preference.tokenize_pairs(raw["validation"], tokenizer, cfg.max_seq_length, "validation", tokenizing,
                        generation_prompts=True)
         embedded = not (cfg.train_file or cfg.dataset_name)  # its replies name a team: routing accuracy is scored
-        return {"teams": list(raw["validation"]["team"]) if embedded else None, "cut": sum(train["cut"])}
+        return {"teams": list(raw["validation"]["team"]) if embedded else None, "cut": sum(train["cut"]),
+                "same": sum(train["same"])}
 
     def setup(self, cfg, tokenizer, data):
         args = self.args
@@ -111,6 +112,8 @@ class DPOTask:
                          summary=f"a pair per example, --loss_type {args.loss_type} --beta {args.beta}, "
                                  f"{'precomputed' if args.precompute_ref_log_probs else 'live'} reference"
                                  + (f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else "")
+                                 + (f", {data.info['same']} pair(s) whose chosen and rejected replies are the same "
+                                    "tokens (they train nothing)" if data.info["same"] else "")
                                  + (f", from {cfg.model_name_or_path} folded into its base model (the saved adapter "
                                     "applies to that model; --merge_lora also saves one that stands alone)"
                                     if adapter_start else ""))

@@ -316,3 +316,17 @@ def test_the_precomputed_reference_is_the_model_s_of_this_run(pair_files, tmp_pa
     written = table.stat().st_mtime_ns
     run_main(load_recipe("dpo").main, [*flags, "--resume_from_checkpoint", str(out / "checkpoints" / "step_1")])
     assert table.stat().st_mtime_ns == written, "read, not computed again"
+
+
+def test_pairs_whose_replies_are_the_same_tokens_are_counted_at_start_up(tiny_model, tmp_path, capsys):
+    """They train nothing (loss ln 2, no gradient): one is the same text, one differs only past the cut."""
+    from finetune.errors import run_main
+
+    same = [pair("Refund order 42?", "Team: billing\nDone.", "Team: billing\nDone."),
+            pair("Refund order 43?", "Team: billing " + "x " * 80 + "one", "Team: billing " + "x " * 80 + "two")]
+    flags = ["--train_file", jsonl(tmp_path / "train.jsonl", [*GOOD, *same]), "--validation_file",
+             jsonl(tmp_path / "validation.jsonl", GOOD), "--output_dir", str(tmp_path / "out"),
+             "--model_name_or_path", str(tiny_model), "--max_seq_length", "64", "--max_train_steps", "1"]
+    run_main(load_recipe("dpo").main, flags)
+    assert ", 2 pair(s) whose chosen and rejected replies are the same tokens (they train nothing)" in (
+        capsys.readouterr().out)

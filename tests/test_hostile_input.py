@@ -129,6 +129,10 @@ MORE_CASES = {
             (json.dumps(row) if number != 3 else "[1, 2]") + "\n" for number, row in enumerate(GOOD_ROWS, 1)))),
         "--validation_file " + "{d}/v.jsonl line 3 is not a JSON object (a list); fix the line"),
     "a seed numpy cannot take": (lambda d: [*files(d), "--seed", "-1"], "--seed is -1; give a whole number from 0"),
+    "no room for text": (lambda d: [*files(d), "--max_seq_length", "1"],
+                         "--max_seq_length 1 leaves no room for the text: the tokenizer adds 2 special tokens to each "
+                         "example; give at least 3"),
+    "only room for the special tokens": (lambda d: [*files(d), "--max_seq_length", "2"], "give at least 3"),
 }
 
 
