@@ -130,7 +130,7 @@ class HubPusher:
             files = [(name, str(stage / name)) for name in _files(stage) if _matches(name, MODEL_FILES)]
         if self.strategy == "checkpoint":  # the checkpoint as its manifest lists it, without the loading files
             files += [(f"{LAST_CHECKPOINT}/{name}", str(stage / name)) for name in checkpoint_files]
-        self._submit(files, message, stage)
+        self._submit(files, message, stage, replaces=LAST_CHECKPOINT if self.strategy == "checkpoint" else None)
 
     def push_final(self, output_dir: str, files: list[str], step: int) -> None:
         """Queue the final model: ``files``, the paths under ``output_dir`` that the final save wrote (the model
@@ -191,10 +191,11 @@ class HubPusher:
                   file=sys.stderr, flush=True)
         return False
 
-    def _submit(self, files: list[tuple[str, str]], message: str, stage: Path | None = None) -> None:
+    def _submit(self, files: list[tuple[str, str]], message: str, stage: Path | None = None,
+                replaces: str | None = None) -> None:
         self._messages.append(message)
         self._jobs.put({"push": len(self._messages), "message": message, "files": files,
-                        "stage": str(stage) if stage else None, "saved_at": time.time()})
+                        "stage": str(stage) if stage else None, "saved_at": time.time(), "replaces": replaces})
 
     def _write_jobs(self) -> None:
         try:

@@ -8,9 +8,11 @@ the Hub). It imports nothing but huggingface_hub and is run by path, so it start
 
 Protocol: ``python hub_uploader.py REPO_ID TIMEOUT [REVISION]`` with the token in ``HF_TOKEN``. Each line on
 stdin is a push: ``{"push": n, "message": ..., "files": [[path_in_repo, local_path], ...], "stage": ...,
-"saved_at": ...}``. Each line on stdout is its outcome: the push number and message, ``commit_id`` and
-``seconds_after_save`` (from the files being complete on disk to the commit), ``superseded_by`` (a checkpoint's
-push skipped because a newer checkpoint's was queued behind it), or ``error``. The process ends when stdin is
+"saved_at": ..., "replaces": FOLDER or null}``; with ``replaces``, the commit also deletes every file under
+``FOLDER/`` in the repository that the push does not hold (a checkpoint replacing another one). Each line on
+stdout is its outcome: the push number and message, ``commit_id`` and ``seconds_after_save`` (from the files
+being complete on disk to the commit), ``superseded_by`` (a checkpoint's push skipped because a newer
+checkpoint's was queued behind it), or ``error``. The process ends when stdin is
 closed and every push is done, or TIMEOUT seconds after stdin closed, whichever comes first.
 
 It ignores the stop signals (SIGTERM, SIGINT, SIGUSR1, SIGHUP) that schedulers and launchers send every process
@@ -32,7 +34,7 @@ import sys
 import threading
 import time
 
-from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
 UPLOAD_NICENESS = 10
 """About a tenth of a core under full load (CFS weights of nice 10 against nice 0)."""
@@ -54,11 +56,11 @@ def is_auth_error(err: Exception) -> bool:
 
 def push(api: HfApi, repo_id: str, revision: str | None, job: dict, token: str) -> dict:
     status = {"push": job["push"], "message": job["message"]}
-    operations = [CommitOperationAdd(path_in_repo, local_path) for path_in_repo, local_path in job["files"]]
+    adds = [CommitOperationAdd(path_in_repo, local_path) for path_in_repo, local_path in job["files"]]
     for attempt in range(1, PUSH_ATTEMPTS + 1):
         try:
-            commit = api.create_commit(repo_id, operations=operations, commit_message=job["message"],
-                                       revision=revision)
+            commit = api.create_commit(repo_id, operations=adds + _stale(api, repo_id, revision, job),
+                                       commit_message=job["message"], revision=revision)
             status["commit_id"] = commit.oid
             status["seconds_after_save"] = round(time.time() - job["saved_at"], 2)
             break
@@ -79,6 +81,17 @@ def push(api: HfApi, repo_id: str, revision: str | None, job: dict, token: str) 
               f"{status['error']}. The local copy in {where} is kept until a later push is done; push it with "
               f"`hf upload {repo_id} <folder>`.", file=sys.stderr, flush=True)
     return status
+
+
+def _stale(api: HfApi, repo_id: str, revision: str | None, job: dict) -> list[CommitOperationDelete]:
+    """Deletions of the files under the job's ``replaces`` folder that it does not push: pushes only add files, and
+    a checkpoint written at another world size (or sharded otherwise) would keep the last one's leftovers, which
+    its manifest does not list."""
+    if not job.get("replaces"):
+        return []
+    pushed = {path_in_repo for path_in_repo, _ in job["files"]}
+    return [CommitOperationDelete(name) for name in api.list_repo_files(repo_id, revision=revision)
+            if name.startswith(job["replaces"] + "/") and name not in pushed]
 
 
 def _remove_older_stages(stage: str) -> None:

@@ -428,3 +428,35 @@ print(len([s for s in pusher.finish() if "error" in s]), "unfinished", flush=Tru
     seconds = float(result.stdout.split("queued in ")[1].split(" s")[0])
     assert seconds < 2, result.stdout
     assert "200 unfinished" in result.stdout
+
+
+def test_a_checkpoint_push_deletes_what_the_last_checkpoint_held_and_its_own_does_not(hub, tmp_path, monkeypatch):
+    """A 2-process run pushes last-checkpoint/ with two processes' RNG states, a 1-process resume pushes its own
+    with one: in the same commit, the other goes, so the checkpoint that comes back verifies."""
+    from finetune.checkpoint import Progress, write_manifest
+    from finetune.hub import HubPusher
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    for name, value in hub.env.items():
+        monkeypatch.setenv(name, value)
+    for step, ranks in ((4, 2), (8, 1)):
+        folder = tmp_path / "out" / "checkpoints" / f"step_{step}"
+        for name in ("model.safetensors", "optimizer.bin", "progress.json",
+                     *(f"random_states_{rank}.pkl" for rank in range(ranks))):
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(f"{name} of step {step}".encode())
+        write_manifest(folder, Progress(global_step=step, world_size=ranks))
+        pusher = HubPusher(enabled=True, output_dir=str(tmp_path / "out"), repo_id="alice/resumed", token=TOKEN,
+                           private=False, revision=None, strategy="checkpoint", timeout=30)
+        pusher.push_checkpoint(folder, step, Saves("config.json"), Saves("tokenizer.json"))
+        assert not [push for push in pusher.finish() if "error" in push]
+    assert [c["summary"] for c in hub.commits("alice/resumed")] == ["Training in progress, step 4",
+                                                                    "Training in progress, step 8"]
+    files = hub.files("alice/resumed")
+    assert sorted(files) == ["config.json", "last-checkpoint/manifest.json", "last-checkpoint/model.safetensors",
+                             "last-checkpoint/optimizer.bin", "last-checkpoint/progress.json",
+                             "last-checkpoint/random_states_0.pkl", "model.safetensors", "tokenizer.json"]
+    fetch = ("import sys; from finetune.checkpoint import verify_checkpoint; from finetune.hub import "
+             "download_last_checkpoint as fetch; verify_checkpoint(fetch(sys.argv[1], None, sys.argv[2]))")
+    run([sys.executable, "-c", fetch, "hub:alice/resumed", TOKEN], env=hub.env)
