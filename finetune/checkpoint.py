@@ -50,6 +50,7 @@ __all__ = [
     "clear_output_dir",
     "disk_write_failure",
     "find_latest_checkpoint",
+    "frozen_weights_digest",
     "fsync_directory",
     "launch_id",
     "load_state_dict_unwrapped",
@@ -97,6 +98,9 @@ class Progress:
     per_device_train_batch_size: int | None = None
     """None in a checkpoint written before the batch was recorded."""
     gradient_accumulation_steps: int | None = None
+    frozen_weights: str = ""
+    """``frozen_weights_digest`` of the model: what a LoRA checkpoint does not hold, the base it was trained on;
+    "" in a checkpoint written before it was recorded."""
 
     @property
     def global_batch_size(self) -> int:
@@ -168,11 +172,16 @@ def resumed_progress(saved: Progress, run: Progress, folder: Path, batches_per_r
 
     Raises:
         UserError: the global batch would change (the message names the per-device batch or accumulation
-            that keeps it), or another world size resumes a checkpoint that does not record its batch.
+            that keeps it), another world size resumes a checkpoint that does not record its batch, or the frozen
+            weights differ (another base model of the same shapes, which loading the trained weights would not show).
     """
+    if saved.frozen_weights and saved.frozen_weights != run.frozen_weights:
+        raise UserError(f"{folder} was trained on other frozen weights than this run's model (another base model, "
+                        "or another version of it): the weights it holds were trained for that one; resume with the "
+                        "--model_name_or_path it was started with")
     current = {"world_size": run.world_size, "runtime": run.runtime,
                "per_device_train_batch_size": run.per_device_train_batch_size,
-               "gradient_accumulation_steps": run.gradient_accumulation_steps}
+               "gradient_accumulation_steps": run.gradient_accumulation_steps, "frozen_weights": run.frozen_weights}
     if saved.per_device_train_batch_size is None:
         if saved.world_size != run.world_size:
             raise UserError(f"{folder} was written by {saved.world_size} processes and this run has {run.world_size};"
@@ -449,6 +458,12 @@ def output_dir_lock(output_dir: str):
         os.close(descriptor)
         if created and not any(path.iterdir()):
             path.rmdir()
+
+
+def frozen_weights_digest(model: torch.nn.Module) -> str:
+    """``tensors_digest`` of the parameters that do not train: with LoRA the base model, which a checkpoint does not
+    hold (``trainable_state_dict``); in a full fine-tune none."""
+    return tensors_digest((name, param) for name, param in model.named_parameters() if not param.requires_grad)
 
 
 def tensors_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:

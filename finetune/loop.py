@@ -36,6 +36,7 @@ from finetune.checkpoint import (
     clear_output_dir,
     disk_write_failure,
     find_latest_checkpoint,
+    frozen_weights_digest,
     launch_id,
     output_dir_lock,
     read_progress,
@@ -119,14 +120,16 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         max_steps = cfg.max_train_steps or cfg.num_train_epochs * steps_per_epoch
         num_epochs = math.ceil(max_steps / steps_per_epoch)
         scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps, max_steps)
-        model, optimizer, scheduler, train_loader, eval_loader = runtime.prepare(
-            setup.model, optimizer, scheduler, train_loader, eval_loader)
 
         # -- resume: weights, optimizer, schedule, RNG and the position in the epoch, at another world size too
-        # when the global batch is kept (a fresh run gets an identity of its own, which only the main process records)
+        # when the global batch is kept (a fresh run gets an identity of its own, which only the main process records),
+        # on the frozen weights it was trained on (hashed while the model is whole, before it is sharded)
         progress = Progress(world_size=runtime.world_size, runtime=runtime.name, seed=cfg.seed, run_id=uuid.uuid4().hex,
                             per_device_train_batch_size=cfg.per_device_train_batch_size,
-                            gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+                            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                            frozen_weights=frozen_weights_digest(setup.model))
+        model, optimizer, scheduler, train_loader, eval_loader = runtime.prepare(
+            setup.model, optimizer, scheduler, train_loader, eval_loader)
         if resume_from:
             progress = resumed_progress(read_progress(resume_from), progress, resume_from, sampler.batches_per_rank)
             runtime.load_state(resume_from)

@@ -1,5 +1,6 @@
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -312,3 +313,11 @@ def test_a_resume_keeps_the_log_up_to_its_step_and_a_line_cut_short_goes(tmp_pat
     clear_output_dir(str(tmp_path), Progress(global_step=4, run_id="a"), overwrite=False)
     assert [json.loads(line)["step"] for line in (tmp_path / "log_history.jsonl").read_text().splitlines()] == [
         1, 2, 3, 4]
+
+
+def test_a_checkpoint_from_before_the_frozen_weights_were_recorded_resumes_and_records_them(tmp_path):
+    saved = progress(1, 8, 1, global_step=3)
+    resumed = resumed_progress(saved, replace(progress(1, 8, 1), frozen_weights="abc"), tmp_path, batches_per_rank=6)
+    assert resumed.frozen_weights == "abc" and resumed.global_step == 3
+    with pytest.raises(UserError, match="was trained on other frozen weights than this run's model"):
+        resumed_progress(resumed, replace(progress(1, 8, 1), frozen_weights="abd"), tmp_path, batches_per_rank=6)

@@ -402,3 +402,17 @@ def test_a_full_model_saved_over_an_adapter_loads_as_itself(tiny_model, chat_fil
     ids = torch.tensor([[1, 400, 2000, 35, 7]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, saved(ids).logits)
+
+
+def test_resuming_a_lora_checkpoint_on_another_base_model_is_refused(tiny_model, tokenizer, chat_files, tmp_path,
+                                                                     capsys):
+    """Of the same shapes, so the adapter loads; the checkpoint records a hash of the frozen weights it was trained
+    on."""
+    other_base = make_tiny_model(tmp_path / "other_base", tokenizer, initializer_range=0.05)
+    flags = [*chat_files, "--max_train_steps", "2", "--checkpointing_steps", "1", "--eval_generate", "0"]
+    run_main(load_recipe("sft").main, [*flags, "--model_name_or_path", str(tiny_model), "--output_dir",
+                                       str(tmp_path / "first")])
+    checkpoint = tmp_path / "first" / "checkpoints" / "step_1"
+    assert_refused(load_recipe("sft").main, [*flags, "--model_name_or_path", str(other_base), "--output_dir",
+                                             str(tmp_path / "second"), "--resume_from_checkpoint", str(checkpoint)],
+                   tmp_path, capsys, f"{checkpoint} was trained on other frozen weights than this run's model")
