@@ -8,7 +8,7 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from finetune.errors import UserError
-from finetune.prepared_data import TOKEN_IDS, Tokenizing
+from finetune.prepared_data import TOKEN_IDS, Tokenizing, fitting_prefixes
 
 __all__ = ["encode_labels", "tokenize_texts"]
 
@@ -98,11 +98,32 @@ def tokenize_texts(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, 
                 if not value.strip():
                     raise UserError(f"{name} data row {row + 1}: column {column!r} is empty; fill it in or drop "
                                     "the row")
-        encoded = tokenizer(*(batch[column] for column in columns), truncation=True, max_length=max_length,
-                            return_attention_mask=False, return_token_type_ids=type_ids)
+        encoded = tokenizer(*_fitting(tokenizer, [batch[column] for column in columns], max_length),
+                            truncation=True, max_length=max_length, return_attention_mask=False,
+                            return_token_type_ids=type_ids)
         return {**encoded, "labels": batch["labels"]}
 
     features = {"input_ids": TOKEN_IDS, "labels": datasets.Value("int32")}
     if type_ids:
         features["token_type_ids"] = datasets.Sequence(datasets.Value("int8"))
     return tokenizing.map(split, encode, name, features)
+
+
+def _fitting(tokenizer, columns: list[list[str]], max_length: int) -> list[list[str]]:
+    """Each column's texts cut before they are tokenized where that keeps the tokens kept (``fitting_prefixes``).
+
+    A pair is cut on one side only, where the cut side keeps more tokens than the other has: truncating the
+    longest first gives the longer text the odd token, so the order of their lengths must not change.
+    """
+    cut = [fitting_prefixes(texts, tokenizer, max_length) for texts in columns]
+    if len(cut) == 1:
+        return [cut[0][0]]
+    (first, first_lengths), (second, second_lengths) = cut
+    for row, lengths in enumerate(zip(first_lengths, second_lengths, strict=True)):
+        if lengths == (None, None):
+            continue
+        side = 0 if lengths[0] is not None else 1
+        other = (second, first)[side][row]
+        if None not in lengths or lengths[side] <= len(tokenizer(other, add_special_tokens=False)["input_ids"]):
+            first[row], second[row] = columns[0][row], columns[1][row]
+    return [first, second]

@@ -33,7 +33,7 @@ from finetune.chat import IGNORE, check_conversation, render_reply_spans
 from finetune.checkpoint import tensors_digest
 from finetune.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
-from finetune.prepared_data import TOKEN_IDS, Tokenizing
+from finetune.prepared_data import TOKEN_IDS, Tokenizing, fitting_prefixes
 
 __all__ = ["LOSS_TYPES", "PairCollator", "Precomputation", "PromptRepliesCollator", "Reference", "check_loss_options",
            "dpo_loss", "is_adapter_folder", "load_causal_lm", "pair_figures", "pair_log_probs", "pair_metrics",
@@ -155,15 +155,18 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
                                                                                 strict=True):
             (start, end), (rejected_start, rejected_end) = chosen_spans[-1], rejected_spans[-1]
             texts += [chosen_text[:start], chosen_text[start:end], rejected_text[rejected_start:rejected_end]]
+        texts, cut_lengths = fitting_prefixes(texts, tokenizer, max_length)
         ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         out = {"prompt_ids": ids[0::3], "chosen_ids": [], "rejected_ids": [], LENGTH: [], "index": rows, "cut": [],
                "same": []}
-        for row, prompt_ids, chosen_ids, rejected_ids in zip(rows, ids[0::3], ids[1::3], ids[2::3], strict=True):
+        for row, prompt_ids, chosen_ids, rejected_ids, prompt_cut in zip(rows, ids[0::3], ids[1::3], ids[2::3],
+                                                                         cut_lengths[0::3], strict=True):
             room = max_length - len(prompt_ids)
             if room < 1:
-                raise UserError(f"{name} row {row + 1}: the prompt takes {len(prompt_ids)} tokens, which leaves no "
-                                f"room for a reply within --max_seq_length {max_length}; raise --max_seq_length or "
-                                "shorten the prompt")
+                takes = f"more than {max_length}" if prompt_cut else len(prompt_ids)
+                raise UserError(f"{name} row {row + 1}: the prompt takes {takes} tokens, which leaves no room for a "
+                                f"reply within --max_seq_length {max_length}; raise --max_seq_length or shorten the "
+                                "prompt")
             out["chosen_ids"].append(chosen_ids[:room])
             out["rejected_ids"].append(rejected_ids[:room])
             out["cut"].append(max(len(chosen_ids), len(rejected_ids)) > room)
