@@ -83,7 +83,7 @@ class TrainConfig:
     # Outputs, checkpoints, logging
     output_dir: str = arg("outputs", "Where the trained model, checkpoints and results go.")
     overwrite_output_dir: bool = arg(False, "Replace a model already saved in --output_dir, and remove another "
-                                            "run's checkpoints there.")
+                                            "run's checkpoints there and the later steps a resume abandons.")
     checkpointing_steps: str | None = arg(None, "Save full training state every N optimizer steps, or 'epoch'.")
     checkpoints_total_limit: int | None = arg(None, "Keep at most this many checkpoints (oldest deleted first).")
     resume_from_checkpoint: str | None = arg(None, "A checkpoint folder to continue from, 'latest', or "
