@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,9 +135,18 @@ class HubPusher:
 
     def push_final(self, output_dir: str, files: list[str], step: int) -> None:
         """Queue the final model: ``files``, the paths under ``output_dir`` that the final save wrote (the model
-        card among them), and nothing else of the folder."""
-        if self.enabled:
-            self._submit([(name, str(Path(output_dir) / name)) for name in files], f"Final model, step {step}")
+        card among them), and nothing else of the folder.
+
+        They are pushed from hard links (``.hub_staging/final_ID``, ID this run's): a push left to the uploader after
+        a stop outlives the run and its hold on the folder, and a later run there replaces the folder's files.
+        """
+        if not self.enabled:
+            return
+        stage = Path(output_dir) / ".hub_staging" / f"final_{uuid.uuid4().hex[:12]}"
+        for name in files:
+            (stage / name).parent.mkdir(parents=True, exist_ok=True)
+            _link_or_copy(Path(output_dir) / name, stage / name)
+        self._submit([(name, str(stage / name)) for name in files], f"Final model, step {step}", stage)
 
     def finish(self, stopped_at: Callable[[], float] = lambda: math.inf) -> list[dict]:
         """Wait for the queued pushes, then report and return every push's outcome.

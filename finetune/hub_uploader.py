@@ -20,7 +20,9 @@ of a job: a stopped run hands it its last checkpoint and may exit before that pu
 (its end of stdout closed), outcomes go to stderr, the run's log.
 
 Staging copies (``.hub_staging/step_N``, hard links of a checkpoint) go once pushed or superseded; a failed one
-stays for ``hf upload`` until a later push is done, so at most one failed copy is kept besides those queued.
+stays for ``hf upload`` until a later push is done, so at most one failed copy is kept besides those queued. The
+final model is pushed from a staging copy too (``.hub_staging/final_ID``, named for its run), so that a later run in
+the folder, which may start once this run is gone, never changes a file under an unfinished push.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def push(api: HfApi, repo_id: str, revision: str | None, job: dict, token: str) 
             if is_auth_error(err) or attempt == PUSH_ATTEMPTS:
                 break
             time.sleep(2**attempt)
-    if job["stage"]:
+    if _checkpoint_step(job["stage"]) is not None:
         _remove_older_stages(job["stage"])
     if "commit_id" in status:
         status.pop("error", None)
@@ -77,8 +79,9 @@ def push(api: HfApi, repo_id: str, revision: str | None, job: dict, token: str) 
             shutil.rmtree(job["stage"], ignore_errors=True)
     else:
         where = job["stage"] or "the output folder"
+        until = " until a later push is done" if _checkpoint_step(job["stage"]) is not None else ""
         print(f"warning: hub push '{job['message']}' to {repo_id} failed after {attempt} attempt(s): "
-              f"{status['error']}. The local copy in {where} is kept until a later push is done; push it with "
+              f"{status['error']}. The local copy in {where} is kept{until}; push it with "
               f"`hf upload {repo_id} <folder>`.", file=sys.stderr, flush=True)
     return status
 
@@ -94,12 +97,19 @@ def _stale(api: HfApi, repo_id: str, revision: str | None, job: dict) -> list[Co
             if name.startswith(job["replaces"] + "/") and name not in pushed]
 
 
+def _checkpoint_step(stage: str | None) -> int | None:
+    """The step of a checkpoint's staging copy (``step_N``); None for the final model's, or no copy."""
+    name = os.path.basename(stage or "")
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
 def _remove_older_stages(stage: str) -> None:
     """Staging copies of earlier steps than ``stage``'s: superseded by this push, and never retried."""
-    step = int(os.path.basename(stage).removeprefix("step_"))
+    step = _checkpoint_step(stage)
     staging = os.path.dirname(stage)
     for name in os.listdir(staging):
-        if name.startswith("step_") and name.removeprefix("step_").isdigit() and int(name[5:]) < step:
+        older = _checkpoint_step(name)
+        if older is not None and older < step:
             shutil.rmtree(os.path.join(staging, name), ignore_errors=True)
 
 
@@ -138,7 +148,8 @@ class Jobs:
                 if not self._queued:
                     return
                 job = self._queued.popleft()
-                newer = next((later for later in self._queued if later["stage"]), None) if job["stage"] else None
+                newer = (next((later for later in self._queued if _checkpoint_step(later["stage"]) is not None), None)
+                         if _checkpoint_step(job["stage"]) is not None else None)
             yield job, newer
 
 

@@ -460,3 +460,30 @@ def test_a_checkpoint_push_deletes_what_the_last_checkpoint_held_and_its_own_doe
     fetch = ("import sys; from finetune.checkpoint import verify_checkpoint; from finetune.hub import "
              "download_last_checkpoint as fetch; verify_checkpoint(fetch(sys.argv[1], None, sys.argv[2]))")
     run([sys.executable, "-c", fetch, "hub:alice/resumed", TOKEN], env=hub.env)
+
+
+def test_the_final_push_sends_the_files_as_saved_even_if_a_later_run_replaces_them(hub, tmp_path, monkeypatch):
+    """A push left to the uploader after a stop outlives its run and the lock on the folder; a later run there
+    then swaps in its own model (a rename, as the final save does) while the push waits for the Hub."""
+    from finetune.hub import HubPusher
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    for name, value in hub.env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("model.safetensors", "config.json"):
+        (out / name).write_text(f"this run's {name}")
+    pusher = HubPusher(enabled=True, output_dir=str(out), repo_id="alice/outlived", token=TOKEN, private=False,
+                       revision=None, strategy="end", timeout=30)
+    os.kill(pusher._uploader.pid, signal.SIGSTOP)
+    pusher.push_final(str(out), ["config.json", "model.safetensors"], 5)
+    for name in ("model.safetensors", "config.json"):
+        (out / f"{name}.new").write_text(f"the next run's {name}")
+        (out / f"{name}.new").replace(out / name)
+    os.kill(pusher._uploader.pid, signal.SIGCONT)
+    assert not [push for push in pusher.finish() if "error" in push]
+    assert hub.files("alice/outlived") == {"config.json": b"this run's config.json",
+                                           "model.safetensors": b"this run's model.safetensors"}
+    assert not list((out / ".hub_staging").iterdir()), "the pushed copy is gone"
