@@ -67,6 +67,16 @@ class ChatModelArguments(CausalLMArguments):
                                           "evaluation (default: all of the default data's, else none).")
     max_new_tokens: int = arg(48, "Longest generated reply.")
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lora_r < 1:
+            raise UserError(f"--lora_r is {self.lora_r}; the rank of an adapter is a positive whole number")
+        if self.lora_alpha <= 0:
+            raise UserError(f"--lora_alpha is {self.lora_alpha}; it scales the adapter's update by alpha / r, so "
+                            "give a positive number (an alpha of 0 trains an adapter that changes nothing)")
+        if not 0 <= self.lora_dropout < 1:
+            raise UserError(f"--lora_dropout is {self.lora_dropout}; give the share of inputs dropped, in [0, 1)")
+
 
 def chat_model_card(what: str, use_lora: bool) -> ModelCardInfo:
     """The model card's part for a chat model fine-tuned for ``what`` from the default chat model: an adapter

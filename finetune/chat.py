@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from finetune.batching import LOSS_UNITS
 from finetune.errors import UserError
-from finetune.prepared_data import TOKEN_IDS, Tokenizing
+from finetune.prepared_data import TOKEN_IDS, Tokenizing, fitting_prefixes
 
 __all__ = ["IGNORE", "ROLES", "check_conversation", "conversation_layout", "read_conversations",
            "render_reply_spans", "require_chat_template", "tokenize_conversations", "write_generations"]
@@ -116,8 +116,8 @@ def tokenize_conversations(split: datasets.Dataset, tokenizer: PreTrainedTokeniz
     def encode(batch, rows):
         conversations = read_conversations(batch, rows, layout, name)
         rendered = render_reply_spans(conversations, tokenizer, [f"{name} row {row + 1}" for row in rows])
-        encoded = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True,
-                            return_attention_mask=False)
+        texts = fitting_prefixes([text for text, _ in rendered], tokenizer, max_length)[0]
+        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
         out = {"input_ids": [], "labels": []}
         for ids, offsets, (_, spans) in zip(encoded["input_ids"], encoded["offset_mapping"], rendered, strict=True):
             starts = [begin for begin, _ in offsets]  # tokens come in text order: their starts never decrease

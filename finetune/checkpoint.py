@@ -28,13 +28,14 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 
 import psutil
 import torch
+import xxhash
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -49,6 +50,7 @@ __all__ = [
     "clear_output_dir",
     "disk_write_failure",
     "find_latest_checkpoint",
+    "frozen_weights_digest",
     "fsync_directory",
     "launch_id",
     "load_state_dict_unwrapped",
@@ -58,6 +60,7 @@ __all__ = [
     "resolve_resume_checkpoint",
     "resumed_progress",
     "save_model",
+    "tensors_digest",
     "verify_checkpoint",
     "write_final_model",
     "write_manifest",
@@ -71,6 +74,9 @@ MANIFEST_FILE = "manifest.json"
 LOCK_FILE = ".finetune.lock"
 LOG_HISTORY = "log_history.jsonl"
 FINAL_PARTIAL = ".final.partial"
+SAVED_FILES = ".finetune_saved.json"
+"""The files the last final save wrote, relative to the output folder: the next save removes those it does not
+write."""
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -92,6 +98,9 @@ class Progress:
     per_device_train_batch_size: int | None = None
     """None in a checkpoint written before the batch was recorded."""
     gradient_accumulation_steps: int | None = None
+    frozen_weights: str = ""
+    """``frozen_weights_digest`` of the model: what a LoRA checkpoint does not hold, the base it was trained on;
+    "" in a checkpoint written before it was recorded."""
 
     @property
     def global_batch_size(self) -> int:
@@ -163,11 +172,16 @@ def resumed_progress(saved: Progress, run: Progress, folder: Path, batches_per_r
 
     Raises:
         UserError: the global batch would change (the message names the per-device batch or accumulation
-            that keeps it), or another world size resumes a checkpoint that does not record its batch.
+            that keeps it), another world size resumes a checkpoint that does not record its batch, or the frozen
+            weights differ (another base model of the same shapes, which loading the trained weights would not show).
     """
+    if saved.frozen_weights and saved.frozen_weights != run.frozen_weights:
+        raise UserError(f"{folder} was trained on other frozen weights than this run's model (another base model, "
+                        "or another version of it): the weights it holds were trained for that one; resume with the "
+                        "--model_name_or_path it was started with")
     current = {"world_size": run.world_size, "runtime": run.runtime,
                "per_device_train_batch_size": run.per_device_train_batch_size,
-               "gradient_accumulation_steps": run.gradient_accumulation_steps}
+               "gradient_accumulation_steps": run.gradient_accumulation_steps, "frozen_weights": run.frozen_weights}
     if saved.per_device_train_batch_size is None:
         if saved.world_size != run.world_size:
             raise UserError(f"{folder} was written by {saved.world_size} processes and this run has {run.world_size};"
@@ -291,10 +305,10 @@ def resolve_resume_checkpoint(value: str | None, output_dir: str) -> Path | None
     return folder
 
 
-def _checkpoints_of(output_dir: str, run_id: str, other: bool = False) -> list[tuple[int, Path]]:
-    """(step, folder) of the complete checkpoints of run ``run_id`` (of every other run with ``other``)."""
+def _checkpoints_of(output_dir: str, run_id: str) -> list[tuple[int, Path]]:
+    """(step, folder) of the complete checkpoints of run ``run_id``."""
     return [(step, folder) for step, folder in _complete_checkpoints(output_dir)
-            if (getattr(_written_by(folder), "run_id", None) == run_id) != other]
+            if getattr(_written_by(folder), "run_id", None) == run_id]
 
 
 def prune_checkpoints(output_dir: str, limit: int | None, progress: Progress) -> None:
@@ -309,15 +323,19 @@ def prune_checkpoints(output_dir: str, limit: int | None, progress: Progress) ->
         shutil.rmtree(folder)
 
 
-def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None) -> None:
-    """Refuse to write over a saved model or another run's checkpoints unless asked to; change nothing.
+def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None, found_in_folder: bool = False
+                     ) -> None:
+    """Refuse to write over a saved model or checkpoints of another trajectory unless asked to; change nothing.
 
-    Another run's checkpoints stay until ``clear_output_dir``, once the run has what it needs to start.
+    ``found_in_folder``: ``resume_from`` is what ``latest`` (or a launcher's restart) found in ``output_dir``, the
+    newest checkpoint there that verifies, or None when none does. What ``overwrite`` removes stays until
+    ``clear_output_dir``, once the run has what it needs to start.
 
     Raises:
         UserError: a fresh run (``resume_from`` None) into a folder that holds a model or complete checkpoints,
-            or a resumed run into one that holds another run's checkpoints of later steps (``latest`` would
-            take those), unless ``overwrite``; ``output_dir`` is a file or cannot be written.
+            or a resumed run into one that holds complete checkpoints of later steps (``latest`` would take those:
+            another run's, or those of the trajectory this resume abandons), unless ``overwrite``; ``output_dir``
+            is a file or cannot be written.
     """
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
@@ -334,34 +352,61 @@ def check_output_dir(output_dir: str, overwrite: bool, resume_from: Path | None)
         return
     if resume_from is not None:
         resumed = read_progress(resume_from)
-        later = [folder.name for step, folder in _checkpoints_of(output_dir, resumed.run_id, other=True)
-                 if step > resumed.global_step]
+        # Later checkpoints of its own run that `latest` skipped are damaged ones, which it will skip again.
+        later = [(folder.name, getattr(_written_by(folder), "run_id", None) == resumed.run_id)
+                 for step, folder in _complete_checkpoints(output_dir) if step > resumed.global_step]
+        later = [(name, own) for name, own in later if not (own and found_in_folder)]
         if later:
-            raise UserError(f"--output_dir {output_dir} holds another run's checkpoints of later steps "
-                            f"({', '.join(later[-3:])}) than {resume_from}, which this run resumes from, and `latest` "
-                            "would continue that run; pass --overwrite_output_dir to remove them once this run starts, "
-                            "or choose another --output_dir")
+            names = ", ".join(name for name, _ in later[-3:])
+            whose, then = (("checkpoints of its own run", "continue the trajectory this resume abandons")
+                           if any(own for _, own in later) else ("another run's checkpoints", "continue that run"))
+            raise UserError(f"--output_dir {output_dir} holds {whose} of later steps ({names}) than {resume_from}, "
+                            f"which this run resumes from, and `latest` would {then}; pass --overwrite_output_dir to "
+                            "remove them once this run starts, or choose another --output_dir")
         return
     if any((path / name).is_file() for name in ("config.json", "adapter_config.json")) or any(
             path.glob("*model*.safetensors")):
         raise UserError(f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir to replace it "
                         "or choose another --output_dir")
     checkpoints = [folder.name for _, folder in _complete_checkpoints(output_dir)]
+    if checkpoints and found_in_folder:
+        raise UserError(f"--output_dir {output_dir} holds checkpoints ({', '.join(checkpoints[-3:])}) of which none "
+                        "verifies (see the warnings above), so --resume_from_checkpoint latest has none to continue "
+                        "from; pass --overwrite_output_dir to start afresh and remove them, or resume from a copy "
+                        "elsewhere with --resume_from_checkpoint PATH")
     if checkpoints:
         raise UserError(f"--output_dir {output_dir} already holds another run's checkpoints "
                         f"({', '.join(checkpoints[-3:])}); pass --resume_from_checkpoint latest to continue that run, "
                         "--overwrite_output_dir to remove them, or choose another --output_dir")
 
 
-def clear_output_dir(output_dir: str, progress: Progress, overwrite: bool) -> None:
+def clear_output_dir(output_dir: str, progress: Progress, overwrite: bool, run_files: Iterable[str] = ()) -> None:
     """What a run removes once it has what it needs to start (its data, model and checkpoint loaded): with
-    ``overwrite``, every other run's checkpoints; at a fresh start, an earlier run's ``log_history.jsonl``.
-    Call it on the process that holds ``output_dir_lock``."""
+    ``overwrite``, every other run's checkpoints and its own run's of later steps than ``progress`` (a resume from
+    an earlier step abandons them); at a fresh start, an earlier run's ``log_history.jsonl`` and ``run_files`` (the
+    task's files for a resume of that run), and at a resume the log's lines of later steps (logged again now, or
+    abandoned). Call it on the process that holds ``output_dir_lock``."""
     if overwrite:
-        for _, folder in _checkpoints_of(output_dir, progress.run_id, other=True):
-            shutil.rmtree(folder)
+        for step, folder in _complete_checkpoints(output_dir):
+            if getattr(_written_by(folder), "run_id", None) != progress.run_id or step > progress.global_step:
+                shutil.rmtree(folder)
+    log = Path(output_dir) / LOG_HISTORY
     if progress.global_step == 0:
-        (Path(output_dir) / LOG_HISTORY).unlink(missing_ok=True)
+        for name in (LOG_HISTORY, *run_files):
+            (Path(output_dir) / name).unlink(missing_ok=True)
+    elif log.is_file():
+        lines = log.read_text().splitlines(keepends=True)
+        partial = log.with_name(LOG_HISTORY + ".partial")
+        partial.write_text("".join(line for line in lines if _logged_step(line) <= progress.global_step))
+        partial.replace(log)
+
+
+def _logged_step(line: str) -> float:
+    """The step of a ``log_history.jsonl`` line; infinity for a line cut short by a kill."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 @contextlib.contextmanager
@@ -415,6 +460,22 @@ def output_dir_lock(output_dir: str):
             path.rmdir()
 
 
+def frozen_weights_digest(model: torch.nn.Module) -> str:
+    """``tensors_digest`` of the parameters that do not train: with LoRA the base model, which a checkpoint does not
+    hold (``trainable_state_dict``); in a full fine-tune none."""
+    return tensors_digest((name, param) for name, param in model.named_parameters() if not param.requires_grad)
+
+
+def tensors_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """An xxh3-128 hash of named tensors (a state dict's items): their names, dtypes, shapes and values."""
+    digest = xxhash.xxh3_128()
+    for name, tensor in tensors:
+        data = tensor.detach().contiguous().cpu().reshape(-1)
+        digest.update(f"{name} {data.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(data.view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
 def check_unwrapped(state_dict: dict) -> None:
     """Raises ``ValueError`` when a key still carries a wrapper's prefix: the model was not unwrapped."""
     wrapped = [k for k in state_dict if k.startswith(_WRAPPER_PREFIXES)]
@@ -433,11 +494,14 @@ def save_model(model: torch.nn.Module, state_dict: dict, tokenizer, output_dir: 
 
 def write_final_model(output_dir: str, write: Callable[[Path], None]) -> list[str]:
     """Write the final model with ``write(folder)`` into ``output_dir/.final.partial``, flush it to disk, then move
-    each file and folder into ``output_dir`` (an entry of the same name there is replaced); returns the paths,
-    relative to ``output_dir``, of the files written: what this run saved.
+    each file and folder into ``output_dir`` (an entry of the same name there is replaced) and remove the files
+    the previous final save wrote that this one did not (an adapter beside a new full model, an old model card,
+    ``merged/``); returns the paths, relative to ``output_dir``, of the files written: what this run saved.
 
     Until everything is written and flushed, the model already in ``output_dir`` is untouched; a kill then
-    leaves only the hidden partial folder, which the next save removes. Each file is replaced whole.
+    leaves only the hidden partial folder, which the next save removes. Each file is replaced whole. Files no
+    save wrote (the user's own, checkpoints, the log) stay: ``SAVED_FILES`` records what each save wrote, and
+    while one save replaces another it lists the files of both.
     Raises what ``write`` raises (``.final.partial`` is removed first).
     """
     output = Path(output_dir)
@@ -454,6 +518,8 @@ def write_final_model(output_dir: str, write: Callable[[Path], None]) -> list[st
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    earlier = _saved_files(output)
+    _write_saved_files(output, sorted({*earlier, *files}))
     replaced.mkdir()
     for entry in sorted(staging.iterdir()):
         target = output / entry.name
@@ -463,7 +529,37 @@ def write_final_model(output_dir: str, write: Callable[[Path], None]) -> list[st
     fsync_directory(output)
     shutil.rmtree(replaced)
     staging.rmdir()
+    for name in sorted(set(earlier) - set(files)):
+        path = output / name
+        path.unlink(missing_ok=True)
+        for folder in path.parents:  # the folders it leaves empty, up to the output folder
+            if folder == output or any(folder.iterdir()):
+                break
+            folder.rmdir()
+    _write_saved_files(output, files)
     return files
+
+
+def _saved_files(output: Path) -> list[str]:
+    """The names in ``SAVED_FILES`` of files a save may have written: inside ``output``, none hidden (the lock, the
+    record itself) and reached through no symbolic link, since a record edited by hand must reach nothing else."""
+    try:
+        names = json.loads((output / SAVED_FILES).read_text())
+    except (OSError, ValueError):
+        return []
+    root = output.resolve()
+    return [name for name in names if isinstance(name, str) and Path(name).parts and not Path(name).is_absolute()
+            and not any(part == ".." or part.startswith(".") for part in Path(name).parts)
+            and (output / name).parent.resolve() == (root / name).parent and not (output / name).is_dir()]
+
+
+def _write_saved_files(output: Path, names: list[str]) -> None:
+    partial = output / (SAVED_FILES + ".partial")
+    with open(partial, "w") as f:
+        json.dump(names, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    partial.replace(output / SAVED_FILES)
 
 
 def fsync_directory(path: Path) -> None:

@@ -8,7 +8,7 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from finetune.errors import UserError
-from finetune.prepared_data import TOKEN_IDS, Tokenizing
+from finetune.prepared_data import TOKEN_IDS, Tokenizing, fitting_prefixes
 
 __all__ = ["encode_labels", "tokenize_texts"]
 
@@ -58,12 +58,18 @@ def encode_labels(train: datasets.Dataset, validation: datasets.Dataset, column:
 
 def _label_values(split: datasets.Dataset, column: str, name: str) -> list:
     values = split[column]
+    first_of_kind = {}  # text or number: the row of the first label of each kind
     for row, value in enumerate(values):
         if value is None or (isinstance(value, float) and math.isnan(value)):
             raise UserError(f"{name} data row {row + 1} has no label in column {column!r}; fill it in or drop the row")
         if isinstance(value, float) and not value.is_integer():
             raise UserError(
                 f"{name} data row {row + 1} has label {value} in column {column!r}; labels must be class names or ids")
+        first_of_kind.setdefault(isinstance(value, str), row)
+    if len(first_of_kind) > 1:
+        text, number = first_of_kind[True], first_of_kind[False]
+        raise UserError(f"{name} data mixes class names and ids in column {column!r} (row {text + 1}: "
+                        f"{values[text]!r}, row {number + 1}: {values[number]!r}); give every label the same way")
     return [int(v) if isinstance(v, float) else v for v in values]
 
 
@@ -72,8 +78,13 @@ def tokenize_texts(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, 
     """Token ids of ``columns`` (a text, or a text pair), truncated to ``max_length``, unpadded, with the labels.
 
     Raises:
-        UserError: a text that is missing, empty or not a string, with its row in split ``name``.
+        UserError: ``max_length`` leaves no room for a token of each text beside the special tokens, or a text that
+            is missing, empty or not a string, with its row in split ``name``.
     """
+    special = tokenizer.num_special_tokens_to_add(pair=len(columns) > 1)
+    if max_length < special + len(columns):  # the tokenizer would keep only its own tokens, or ignore the limit
+        raise UserError(f"--max_seq_length {max_length} leaves no room for the text: the tokenizer adds {special} "
+                        f"special tokens to each example; give at least {special + len(columns)}")
     # Attention masks are all ones before padding, which makes them; type ids matter for pairs only.
     type_ids = len(columns) > 1 and "token_type_ids" in tokenizer.model_input_names
 
@@ -87,11 +98,32 @@ def tokenize_texts(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, 
                 if not value.strip():
                     raise UserError(f"{name} data row {row + 1}: column {column!r} is empty; fill it in or drop "
                                     "the row")
-        encoded = tokenizer(*(batch[column] for column in columns), truncation=True, max_length=max_length,
-                            return_attention_mask=False, return_token_type_ids=type_ids)
+        encoded = tokenizer(*_fitting(tokenizer, [batch[column] for column in columns], max_length),
+                            truncation=True, max_length=max_length, return_attention_mask=False,
+                            return_token_type_ids=type_ids)
         return {**encoded, "labels": batch["labels"]}
 
     features = {"input_ids": TOKEN_IDS, "labels": datasets.Value("int32")}
     if type_ids:
         features["token_type_ids"] = datasets.Sequence(datasets.Value("int8"))
     return tokenizing.map(split, encode, name, features)
+
+
+def _fitting(tokenizer, columns: list[list[str]], max_length: int) -> list[list[str]]:
+    """Each column's texts cut before they are tokenized where that keeps the tokens kept (``fitting_prefixes``).
+
+    A pair is cut on one side only, where the cut side keeps more tokens than the other has: truncating the
+    longest first gives the longer text the odd token, so the order of their lengths must not change.
+    """
+    cut = [fitting_prefixes(texts, tokenizer, max_length) for texts in columns]
+    if len(cut) == 1:
+        return [cut[0][0]]
+    (first, first_lengths), (second, second_lengths) = cut
+    for row, lengths in enumerate(zip(first_lengths, second_lengths, strict=True)):
+        if lengths == (None, None):
+            continue
+        side = 0 if lengths[0] is not None else 1
+        other = (second, first)[side][row]
+        if None not in lengths or lengths[side] <= len(tokenizer(other, add_special_tokens=False)["input_ids"]):
+            first[row], second[row] = columns[0][row], columns[1][row]
+    return [first, second]

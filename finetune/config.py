@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import sys
 import typing
@@ -82,7 +83,7 @@ class TrainConfig:
     # Outputs, checkpoints, logging
     output_dir: str = arg("outputs", "Where the trained model, checkpoints and results go.")
     overwrite_output_dir: bool = arg(False, "Replace a model already saved in --output_dir, and remove another "
-                                            "run's checkpoints there.")
+                                            "run's checkpoints there and the later steps a resume abandons.")
     checkpointing_steps: str | None = arg(None, "Save full training state every N optimizer steps, or 'epoch'.")
     checkpoints_total_limit: int | None = arg(None, "Keep at most this many checkpoints (oldest deleted first).")
     resume_from_checkpoint: str | None = arg(None, "A checkpoint folder to continue from, 'latest', or "
@@ -128,8 +129,15 @@ class TrainConfig:
                 raise UserError(f"--{name} is {value}; it must be a positive whole number (or left unset)")
         if self.num_warmup_steps < 0:
             raise UserError(f"--num_warmup_steps is {self.num_warmup_steps}; it must be 0 or more")
-        if self.learning_rate <= 0:
-            raise UserError(f"--learning_rate is {self.learning_rate}; it must be positive")
+        if not 0 < self.learning_rate < math.inf:
+            raise UserError(f"--learning_rate is {self.learning_rate}; it must be a positive number")
+        if not 0 <= self.weight_decay < math.inf:
+            raise UserError(f"--weight_decay is {self.weight_decay}; it must be 0 or a positive number")
+        if not 0 <= self.max_grad_norm < math.inf:
+            raise UserError(f"--max_grad_norm is {self.max_grad_norm}; give the norm to clip the gradient to, or 0 "
+                            "to turn clipping off")
+        if not 0 <= self.seed < 2**32:  # what numpy's seeding takes
+            raise UserError(f"--seed is {self.seed}; give a whole number from 0 to {2**32 - 1}")
         if self.lr_scheduler_type not in SCHEDULERS:
             raise UserError(
                 f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown; use one of {', '.join(SCHEDULERS)}")
@@ -228,6 +236,10 @@ def parse_config(task_class: type, argv: list[str] | None = None, *, defaults: d
         parser.source = _Parser.source
     values = vars(parser.parse_args(file_words + argv))
     values.pop("config")
+    for cls in (TrainConfig, task_class):  # argparse reads nan and inf as floats; no option means either
+        for name, kind in typing.get_type_hints(cls).items():
+            if kind in (float, float | None) and values[name] is not None and not math.isfinite(values[name]):
+                raise UserError(f"--{name} is {values[name]}; give a finite number")
     shared = {f.name for f in dataclasses.fields(TrainConfig)}
     return (TrainConfig(**{k: v for k, v in values.items() if k in shared}),
             task_class(**{k: v for k, v in values.items() if k not in shared}))

@@ -5,15 +5,18 @@ user can act on, and checks of the rows every recipe needs.
 from __future__ import annotations
 
 import csv
+import functools
+import json
 import os
 from collections.abc import Callable
 
 import datasets
+import xxhash
 from huggingface_hub import constants
 
 from finetune.errors import UserError
 
-__all__ = ["FILE_BUILDERS", "check_columns", "load_splits"]
+__all__ = ["FILE_BUILDERS", "check_columns", "file_digest", "load_splits"]
 
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 """File extensions ``datasets`` reads, and the builder for each."""
@@ -22,19 +25,21 @@ FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"
 def load_splits(train_file: str | None, validation_file: str | None, dataset_name: str | None,
                 dataset_config_name: str | None, trust_remote_code: bool,
                 default: Callable[[], datasets.DatasetDict], default_name: str,
-                readers: dict[str, Callable[[str], datasets.Dataset]] | None = None
+                readers: dict[str, Callable[[str], datasets.Dataset]] | None = None, reread: bool = False
                 ) -> tuple[datasets.DatasetDict, str]:
     """``(DatasetDict with train and validation, a description of the source)``.
 
     Files are read by extension (``FILE_BUILDERS``, plus a recipe's own ``readers``); without files or a
-    dataset name, ``default()`` is the data.
+    dataset name, ``default()`` is the data. ``datasets`` keeps its Arrow copy of a file per content
+    (``file_digest``), so an edit that keeps the file's modification time is read; ``reread`` (``--overwrite_cache``)
+    reads the files again even so.
 
     Raises:
         UserError: missing or unreadable files, a Hub dataset that cannot be had or lacks a split, an empty split.
     """
     if train_file:
-        raw = datasets.DatasetDict(train=_load_file(train_file, "--train_file", readers or {}),
-                                   validation=_load_file(validation_file, "--validation_file", readers or {}))
+        raw = datasets.DatasetDict(train=_load_file(train_file, "--train_file", readers or {}, reread),
+                                   validation=_load_file(validation_file, "--validation_file", readers or {}, reread))
         source = f"{train_file} + {validation_file}"
     elif dataset_name:
         raw = _load_hub_dataset(dataset_name, dataset_config_name, trust_remote_code)
@@ -62,7 +67,27 @@ def check_columns(raw: datasets.DatasetDict, columns: list[str], flags: str) -> 
     return datasets.DatasetDict({split: raw[split].select_columns(columns) for split in ("train", "validation")})
 
 
-def _load_file(path: str, flag: str, readers: dict[str, Callable[[str], datasets.Dataset]]) -> datasets.Dataset:
+def file_digest(path: str) -> str:
+    """A hash (xxh3-128) of the file's content: what names a local file in the data cache's key, since an edit may
+    keep the modification time (``touch -r``, a copy with ``cp -p``) that ``datasets`` goes by. It reads the whole
+    file at memory speed (about 10 GB/s once the file is in the page cache), once per process and version of the
+    file."""
+    stat = os.stat(path)
+    return _digest(os.path.realpath(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+@functools.cache
+def _digest(path: str, *version) -> str:
+    """``file_digest`` of ``path`` as it is while its stat values are ``version`` (a write changes the ctime)."""
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 23), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _load_file(path: str, flag: str, readers: dict[str, Callable[[str], datasets.Dataset]],
+               reread: bool) -> datasets.Dataset:
     if not os.path.isfile(path):
         raise UserError(f"{flag} {path}: no such file; check the path")
     extension = os.path.splitext(path)[1].lower()
@@ -71,16 +96,47 @@ def _load_file(path: str, flag: str, readers: dict[str, Callable[[str], datasets
     if extension not in FILE_BUILDERS:
         known = [*FILE_BUILDERS, *readers]
         raise UserError(f"{flag} {path}: unsupported file type {extension or '(none)'}; use one of {', '.join(known)}")
+    if _is_blank(path):
+        raise UserError(f"{flag} {path} holds no rows; give it at least one example")
     # In a TSV a quote is text: a text that starts with one must not swallow the rows after it.
     options = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if extension == ".tsv" else {}
+    # datasets keys its Arrow copy by the file's path and modification time: a copy per content is never stale.
+    copy = os.path.join(datasets.config.HF_DATASETS_CACHE, "finetune-files", file_digest(path))
     try:
-        return datasets.load_dataset(FILE_BUILDERS[extension], data_files=path, split="train", **options)
+        return datasets.load_dataset(FILE_BUILDERS[extension], data_files=path, split="train", cache_dir=copy,
+                                     download_mode="force_redownload" if reread else None, **options)
     except Exception as err:  # the builders raise many types (ArrowInvalid, DatasetGenerationError, ...)
         if "corresponds to no data" in str(err):  # datasets' words for a file with a header and no rows
             raise UserError(f"{flag} {path} holds no rows; give it at least one example") from None
+        if FILE_BUILDERS[extension] == "json" and (line := _first_bad_json_line(path)):
+            number, reason = line
+            raise UserError(f"{flag} {path} line {number} is not a JSON object ({reason}); fix the line") from None
         cause = err.__cause__ or err
         reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         raise UserError(f"{flag} {path} could not be read as {extension[1:]} ({reason}); fix the file") from None
+
+
+def _is_blank(path: str) -> bool:
+    """Whether the file holds nothing but white space (the readers fail on it with no words of their own)."""
+    with open(path, "rb") as f:
+        return not any(block.strip() for block in iter(lambda: f.read(1 << 16), b""))
+
+
+def _first_bad_json_line(path: str) -> tuple[int, str] | None:
+    """``(number, reason)`` of the first line of a JSON-lines file that is not a JSON object, counting from 1 as an
+    editor does (pyarrow names a row counted from 0 within a block); None for a file that is not JSON lines, such as
+    one JSON document over many lines."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as err:
+                return None if number == 1 and path.lower().endswith(".json") else (number, err.msg)
+            if not isinstance(value, dict):
+                return number, f"a {type(value).__name__}"
+    return None
 
 
 def _load_hub_dataset(name: str, config_name: str | None, trust_remote_code: bool) -> datasets.DatasetDict:

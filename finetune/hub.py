@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,13 +131,22 @@ class HubPusher:
             files = [(name, str(stage / name)) for name in _files(stage) if _matches(name, MODEL_FILES)]
         if self.strategy == "checkpoint":  # the checkpoint as its manifest lists it, without the loading files
             files += [(f"{LAST_CHECKPOINT}/{name}", str(stage / name)) for name in checkpoint_files]
-        self._submit(files, message, stage)
+        self._submit(files, message, stage, replaces=LAST_CHECKPOINT if self.strategy == "checkpoint" else None)
 
     def push_final(self, output_dir: str, files: list[str], step: int) -> None:
         """Queue the final model: ``files``, the paths under ``output_dir`` that the final save wrote (the model
-        card among them), and nothing else of the folder."""
-        if self.enabled:
-            self._submit([(name, str(Path(output_dir) / name)) for name in files], f"Final model, step {step}")
+        card among them), and nothing else of the folder.
+
+        They are pushed from hard links (``.hub_staging/final_ID``, ID this run's): a push left to the uploader after
+        a stop outlives the run and its hold on the folder, and a later run there replaces the folder's files.
+        """
+        if not self.enabled:
+            return
+        stage = Path(output_dir) / ".hub_staging" / f"final_{uuid.uuid4().hex[:12]}"
+        for name in files:
+            (stage / name).parent.mkdir(parents=True, exist_ok=True)
+            _link_or_copy(Path(output_dir) / name, stage / name)
+        self._submit([(name, str(stage / name)) for name in files], f"Final model, step {step}", stage)
 
     def finish(self, stopped_at: Callable[[], float] = lambda: math.inf) -> list[dict]:
         """Wait for the queued pushes, then report and return every push's outcome.
@@ -192,10 +202,11 @@ class HubPusher:
                   file=sys.stderr, flush=True)
         return False
 
-    def _submit(self, files: list[tuple[str, str]], message: str, stage: Path | None = None) -> None:
+    def _submit(self, files: list[tuple[str, str]], message: str, stage: Path | None = None,
+                replaces: str | None = None) -> None:
         self._messages.append(message)
         self._jobs.put({"push": len(self._messages), "message": message, "files": files,
-                        "stage": str(stage) if stage else None, "saved_at": time.time()})
+                        "stage": str(stage) if stage else None, "saved_at": time.time(), "replaces": replaces})
 
     def _write_jobs(self) -> None:
         try:

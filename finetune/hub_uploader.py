@@ -8,9 +8,11 @@ the Hub). It imports nothing but huggingface_hub and is run by path, so it start
 
 Protocol: ``python hub_uploader.py REPO_ID TIMEOUT [REVISION]`` with the token in ``HF_TOKEN``. Each line on
 stdin is a push: ``{"push": n, "message": ..., "files": [[path_in_repo, local_path], ...], "stage": ...,
-"saved_at": ...}``. Each line on stdout is its outcome: the push number and message, ``commit_id`` and
-``seconds_after_save`` (from the files being complete on disk to the commit), ``superseded_by`` (a checkpoint's
-push skipped because a newer checkpoint's was queued behind it), or ``error``. The process ends when stdin is
+"saved_at": ..., "replaces": FOLDER or null}``; with ``replaces``, the commit also deletes every file under
+``FOLDER/`` in the repository that the push does not hold (a checkpoint replacing another one). Each line on
+stdout is its outcome: the push number and message, ``commit_id`` and ``seconds_after_save`` (from the files
+being complete on disk to the commit), ``superseded_by`` (a checkpoint's push skipped because a newer
+checkpoint's was queued behind it), or ``error``. The process ends when stdin is
 closed and every push is done, or TIMEOUT seconds after stdin closed, whichever comes first.
 
 It ignores the stop signals (SIGTERM, SIGINT, SIGUSR1, SIGHUP) that schedulers and launchers send every process
@@ -18,7 +20,9 @@ of a job: a stopped run hands it its last checkpoint and may exit before that pu
 (its end of stdout closed), outcomes go to stderr, the run's log.
 
 Staging copies (``.hub_staging/step_N``, hard links of a checkpoint) go once pushed or superseded; a failed one
-stays for ``hf upload`` until a later push is done, so at most one failed copy is kept besides those queued.
+stays for ``hf upload`` until a later push is done, so at most one failed copy is kept besides those queued. The
+final model is pushed from a staging copy too (``.hub_staging/final_ID``, named for its run), so that a later run in
+the folder, which may start once this run is gone, never changes a file under an unfinished push.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import sys
 import threading
 import time
 
-from huggingface_hub import CommitOperationAdd, HfApi
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
 UPLOAD_NICENESS = 10
 """About a tenth of a core under full load (CFS weights of nice 10 against nice 0)."""
@@ -56,11 +60,11 @@ def is_auth_error(err: Exception) -> bool:
 
 def push(api: HfApi, repo_id: str, revision: str | None, job: dict, token: str) -> dict:
     status = {"push": job["push"], "message": job["message"]}
-    operations = [CommitOperationAdd(path_in_repo, local_path) for path_in_repo, local_path in job["files"]]
+    adds = [CommitOperationAdd(path_in_repo, local_path) for path_in_repo, local_path in job["files"]]
     for attempt in range(1, PUSH_ATTEMPTS + 1):
         try:
-            commit = api.create_commit(repo_id, operations=operations, commit_message=job["message"],
-                                       revision=revision)
+            commit = api.create_commit(repo_id, operations=adds + _stale(api, repo_id, revision, job),
+                                       commit_message=job["message"], revision=revision)
             status["commit_id"] = commit.oid
             status["seconds_after_save"] = round(time.time() - job["saved_at"], 2)
             break
@@ -69,7 +73,7 @@ def push(api: HfApi, repo_id: str, revision: str | None, job: dict, token: str) 
             if is_auth_error(err) or attempt == PUSH_ATTEMPTS:
                 break
             time.sleep(2**attempt)
-    if job["stage"]:
+    if _checkpoint_step(job["stage"]) is not None:
         _remove_older_stages(job["stage"])
     if "commit_id" in status:
         status.pop("error", None)
@@ -77,18 +81,37 @@ def push(api: HfApi, repo_id: str, revision: str | None, job: dict, token: str) 
             shutil.rmtree(job["stage"], ignore_errors=True)
     else:
         where = job["stage"] or "the output folder"
+        until = " until a later push is done" if _checkpoint_step(job["stage"]) is not None else ""
         print(f"warning: hub push '{job['message']}' to {repo_id} failed after {attempt} attempt(s): "
-              f"{status['error']}. The local copy in {where} is kept until a later push is done; push it with "
+              f"{status['error']}. The local copy in {where} is kept{until}; push it with "
               f"`hf upload {repo_id} <folder>`.", file=sys.stderr, flush=True)
     return status
 
 
+def _stale(api: HfApi, repo_id: str, revision: str | None, job: dict) -> list[CommitOperationDelete]:
+    """Deletions of the files under the job's ``replaces`` folder that it does not push: pushes only add files, and
+    a checkpoint written at another world size (or sharded otherwise) would keep the last one's leftovers, which
+    its manifest does not list."""
+    if not job.get("replaces"):
+        return []
+    pushed = {path_in_repo for path_in_repo, _ in job["files"]}
+    return [CommitOperationDelete(name) for name in api.list_repo_files(repo_id, revision=revision)
+            if name.startswith(job["replaces"] + "/") and name not in pushed]
+
+
+def _checkpoint_step(stage: str | None) -> int | None:
+    """The step of a checkpoint's staging copy (``step_N``); None for the final model's, or no copy."""
+    name = os.path.basename(stage or "")
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
 def _remove_older_stages(stage: str) -> None:
     """Staging copies of earlier steps than ``stage``'s: superseded by this push, and never retried."""
-    step = int(os.path.basename(stage).removeprefix("step_"))
+    step = _checkpoint_step(stage)
     staging = os.path.dirname(stage)
     for name in os.listdir(staging):
-        if name.startswith("step_") and name.removeprefix("step_").isdigit() and int(name[5:]) < step:
+        older = _checkpoint_step(name)
+        if older is not None and older < step:
             shutil.rmtree(os.path.join(staging, name), ignore_errors=True)
 
 
@@ -127,7 +150,8 @@ class Jobs:
                 if not self._queued:
                     return
                 job = self._queued.popleft()
-                newer = next((later for later in self._queued if later["stage"]), None) if job["stage"] else None
+                newer = (next((later for later in self._queued if _checkpoint_step(later["stage"]) is not None), None)
+                         if _checkpoint_step(job["stage"]) is not None else None)
             yield job, newer
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import get_scheduler, set_seed
 
@@ -35,6 +36,7 @@ from finetune.checkpoint import (
     clear_output_dir,
     disk_write_failure,
     find_latest_checkpoint,
+    frozen_weights_digest,
     launch_id,
     output_dir_lock,
     read_progress,
@@ -87,7 +89,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
     with contextlib.ExitStack() as closing:
         if env.rank == 0:
             closing.enter_context(output_dir_lock(cfg.output_dir))
-        check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from)
+        check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from, found_in_folder)
         stop = closing.enter_context(StopSignals())
         runtime = closing.enter_context(make_runtime(cfg, _tracker_settings(task, cfg, task_options, resume_from)))
         if found_in_folder:
@@ -118,21 +120,23 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         max_steps = cfg.max_train_steps or cfg.num_train_epochs * steps_per_epoch
         num_epochs = math.ceil(max_steps / steps_per_epoch)
         scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps, max_steps)
-        model, optimizer, scheduler, train_loader, eval_loader = runtime.prepare(
-            setup.model, optimizer, scheduler, train_loader, eval_loader)
 
         # -- resume: weights, optimizer, schedule, RNG and the position in the epoch, at another world size too
-        # when the global batch is kept (a fresh run gets an identity of its own, which only the main process records)
+        # when the global batch is kept (a fresh run gets an identity of its own, which only the main process records),
+        # on the frozen weights it was trained on (hashed while the model is whole, before it is sharded)
         progress = Progress(world_size=runtime.world_size, runtime=runtime.name, seed=cfg.seed, run_id=uuid.uuid4().hex,
                             per_device_train_batch_size=cfg.per_device_train_batch_size,
-                            gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+                            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                            frozen_weights=frozen_weights_digest(setup.model))
+        model, optimizer, scheduler, train_loader, eval_loader = runtime.prepare(
+            setup.model, optimizer, scheduler, train_loader, eval_loader)
         if resume_from:
             progress = resumed_progress(read_progress(resume_from), progress, resume_from, sampler.batches_per_rank)
             runtime.load_state(resume_from)
             runtime.print(f"resumed from {resume_from} at step {progress.global_step}")
         progress.launch_id = launch
         if runtime.is_main_process:  # only now that the run has all it needs may it remove what it replaces
-            clear_output_dir(cfg.output_dir, progress, cfg.overwrite_output_dir)
+            clear_output_dir(cfg.output_dir, progress, cfg.overwrite_output_dir, getattr(task, "run_files", ()))
 
         truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None
                      else setup.truncated)
@@ -164,6 +168,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
 
         def save_checkpoint() -> Path:
             check_finite()
+            _check_finite_model(runtime, model, progress.global_step, cfg.learning_rate)
             folder = saved[progress.global_step] = runtime.save_checkpoint(cfg.output_dir, progress,
                                                                          cfg.checkpoints_total_limit)
             hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, tokenizer)
@@ -256,22 +261,52 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             "runtime": runtime.name,
             "world_size": runtime.world_size,
         }
-        # (nothing non-finite gets here: the last step is always logged, which checks it first)
+        # (no non-finite loss gets here: the last step is always logged, which checks it first)
+        _check_finite_model(runtime, model, progress.global_step, cfg.learning_rate, metrics.get("eval_loss"))
         _save(runtime, task, cfg, model, tokenizer, data.source, hub, results, eval_outputs)
         runtime.wait_for_save()
         runtime.log({k: results[k] for k in results.keys() - metrics.keys() - UNTRACKED_RESULTS}, progress.global_step)
         runtime.print(f"saved the model to {cfg.output_dir}\n" + json.dumps(results, indent=2))
 
         # -- the end: only the main process waits for its uploads (bounded by --hub_timeout)
-        pushes = hub.finish(stopped_at=lambda: stop.at)  # waits less once a stop signal comes
-        if pushes:
-            results["hub_pushes"] = pushes
-            _write_json(Path(cfg.output_dir) / "all_results.json", results)
-            failed = [p for p in pushes if "error" in p]
-            if failed and cfg.hub_strict:
-                raise UserError(f"{len(failed)} of {len(pushes)} Hub pushes failed and --hub_strict is set; "
-                                f"the model is saved in {cfg.output_dir}")
+        _finish_pushes(hub, cfg, results, stopped_at=lambda: stop.at)
         return results
+
+
+def _finish_pushes(hub: HubPusher, cfg: TrainConfig, results: dict, stopped_at: Callable[[], float]) -> None:
+    """Wait for the run's pushes (less once a stop signal comes: ``stopped_at``) and add their outcomes to
+    ``all_results.json``.
+
+    Raises:
+        UserError: a push failed under ``--hub_strict``.
+    """
+    pushes = hub.finish(stopped_at=stopped_at)
+    if pushes:
+        results["hub_pushes"] = pushes
+        _write_json(Path(cfg.output_dir) / "all_results.json", results)
+        failed = [p for p in pushes if "error" in p]
+        if failed and cfg.hub_strict:
+            raise UserError(f"{len(failed)} of {len(pushes)} Hub pushes failed and --hub_strict is set; "
+                            f"the model is saved in {cfg.output_dir}")
+
+
+def _check_finite_model(runtime: Runtime, model, step: int, learning_rate: float, eval_loss: float | None = None
+                        ) -> None:
+    """Raise on every process when a weight of the model (of any process's shard) or ``eval_loss`` is not finite:
+    a finite loss and gradient can still be followed by an update that is not (a learning rate beyond float32), and
+    such a model is never saved or pushed.
+
+    Raises:
+        UserError: the first of the two that is not finite, named.
+    """
+    weights = [p.to_local() if isinstance(p, DTensor) else p for p in runtime.unwrap(model).parameters()]
+    local = not bool(torch.stack([torch.isfinite(w).all() for w in weights]).all())
+    bad_weights, bad_loss = runtime.max_over_processes([float(local), float(not math.isfinite(eval_loss or 0.0))])
+    what = "a weight" if bad_weights else "the evaluation loss" if bad_loss else None
+    if what:
+        raise UserError(f"{what} was not finite after step {step}, so nothing from that step on was saved; lower "
+                        f"--learning_rate (now {learning_rate}), keep --max_grad_norm above 0, look for extreme rows "
+                        "in the data, and resume from the last checkpoint")
 
 
 def _starting_checkpoint(cfg: TrainConfig, env: LaunchEnvironment, launch: str) -> tuple[Path | None, bool]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,13 +30,15 @@ from safetensors.torch import load_file, save_file
 from finetune.batching import LENGTH, LOSS_UNITS
 from finetune.causal_lm import label_log_probs, shared_prompt_log_probs
 from finetune.chat import IGNORE, check_conversation, render_reply_spans
+from finetune.checkpoint import tensors_digest
 from finetune.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
-from finetune.prepared_data import TOKEN_IDS, Tokenizing
+from finetune.prepared_data import TOKEN_IDS, Tokenizing, fitting_prefixes
 
 __all__ = ["LOSS_TYPES", "PairCollator", "Precomputation", "PromptRepliesCollator", "Reference", "check_loss_options",
            "dpo_loss", "is_adapter_folder", "load_causal_lm", "pair_figures", "pair_log_probs", "pair_metrics",
-           "precomputed_reference", "preference_layout", "read_pairs", "tokenize_pairs", "write_pair_predictions"]
+           "precomputed_reference", "preference_layout", "read_pairs", "reference_key", "tokenize_pairs",
+           "write_pair_predictions"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
 
@@ -43,8 +47,8 @@ def check_loss_options(loss_type: str, beta: float, label_smoothing: float) -> N
     """Raises ``UserError`` for options ``dpo_loss`` cannot take (as flags: --loss_type, --beta, --label_smoothing)."""
     if loss_type not in LOSS_TYPES:
         raise UserError(f"--loss_type {loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
-    if beta <= 0:
-        raise UserError(f"--beta is {beta}; it must be positive")
+    if not 0 < beta < math.inf:
+        raise UserError(f"--beta is {beta}; it must be a positive number")
     if not 0 <= label_smoothing < 0.5 or (label_smoothing and loss_type != "robust"):
         raise UserError(f"--label_smoothing is {label_smoothing}; give a share in [0, 0.5) with --loss_type robust, "
                         "or leave it at 0")
@@ -126,7 +130,9 @@ def _reply(messages: list[dict], where: str, column: str) -> dict:
 def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: str, tokenizing: Tokenizing,
                    generation_prompts: bool = False) -> datasets.Dataset:
     """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (the replies' tokens, after the prompt's), ``index`` (the
-    row) and ``cut`` (whether a reply was cut); one loss unit per pair; ``length`` is the tokens of both rows.
+    row), ``cut`` (whether a reply was cut) and ``same`` (whether both replies are the same tokens, after the cut: a
+    pair that trains nothing, its loss ln 2 and its gradient zero); one loss unit per pair; ``length`` is the tokens
+    of both rows.
 
     A pair with a row longer than ``max_length`` keeps its whole prompt and the start of each reply: both replies
     are cut to the ``max_length - prompt`` tokens left, so each keeps at least one. With ``generation_prompts``
@@ -149,17 +155,22 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
                                                                                 strict=True):
             (start, end), (rejected_start, rejected_end) = chosen_spans[-1], rejected_spans[-1]
             texts += [chosen_text[:start], chosen_text[start:end], rejected_text[rejected_start:rejected_end]]
+        texts, cut_lengths = fitting_prefixes(texts, tokenizer, max_length)
         ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        out = {"prompt_ids": ids[0::3], "chosen_ids": [], "rejected_ids": [], LENGTH: [], "index": rows, "cut": []}
-        for row, prompt_ids, chosen_ids, rejected_ids in zip(rows, ids[0::3], ids[1::3], ids[2::3], strict=True):
+        out = {"prompt_ids": ids[0::3], "chosen_ids": [], "rejected_ids": [], LENGTH: [], "index": rows, "cut": [],
+               "same": []}
+        for row, prompt_ids, chosen_ids, rejected_ids, prompt_cut in zip(rows, ids[0::3], ids[1::3], ids[2::3],
+                                                                         cut_lengths[0::3], strict=True):
             room = max_length - len(prompt_ids)
             if room < 1:
-                raise UserError(f"{name} row {row + 1}: the prompt takes {len(prompt_ids)} tokens, which leaves no "
-                                f"room for a reply within --max_seq_length {max_length}; raise --max_seq_length or "
-                                "shorten the prompt")
+                takes = f"more than {max_length}" if prompt_cut else len(prompt_ids)
+                raise UserError(f"{name} row {row + 1}: the prompt takes {takes} tokens, which leaves no room for a "
+                                f"reply within --max_seq_length {max_length}; raise --max_seq_length or shorten the "
+                                "prompt")
             out["chosen_ids"].append(chosen_ids[:room])
             out["rejected_ids"].append(rejected_ids[:room])
             out["cut"].append(max(len(chosen_ids), len(rejected_ids)) > room)
+            out["same"].append(out["chosen_ids"][-1] == out["rejected_ids"][-1])
             # Both rows: batches are grouped by, and padding efficiency counts, what a pair puts through the model.
             out[LENGTH].append(2 * len(prompt_ids) + len(out["chosen_ids"][-1]) + len(out["rejected_ids"][-1]))
         out[LOSS_UNITS] = [1] * len(rows)
@@ -169,7 +180,7 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
         return out
 
     features = {"prompt_ids": TOKEN_IDS, "chosen_ids": TOKEN_IDS, "rejected_ids": TOKEN_IDS,
-                "index": datasets.Value("int32"), "cut": datasets.Value("bool")}
+                "index": datasets.Value("int32"), "cut": datasets.Value("bool"), "same": datasets.Value("bool")}
     if generation_prompts:
         features.update(prompt_messages=datasets.Value("string"), reference=datasets.Value("string"))
     return tokenizing.map(split, encode, name, features)
@@ -370,6 +381,14 @@ def load_causal_lm(name_or_path: str, **kwargs):
 def is_adapter_folder(name_or_path: str) -> bool:
     """Whether ``name_or_path`` is a local folder holding a peft adapter (``adapter_config.json``)."""
     return (Path(os.path.expanduser(name_or_path)) / "adapter_config.json").is_file()
+
+
+def reference_key(model, precision: str, data_folder: Path) -> str:
+    """What the precomputed reference of ``model`` (the reference itself: before adapters are added) depends on:
+    its weights and configuration, wherever they came from (a folder retrained in place, an adapter folded in),
+    the precision it runs in and the tokenized data (``data_folder``, the cache folder named by its key)."""
+    return " ".join([tensors_digest(model.state_dict().items()),
+                     hashlib.sha256(model.config.to_json_string().encode()).hexdigest(), precision, data_folder.name])
 
 
 def precomputed_reference(reference: Reference, policy, pairs, collate, batch_size: int, max_tokens: int, path: Path,

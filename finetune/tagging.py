@@ -117,8 +117,9 @@ def align_labels(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, ma
     continuation = [ids.get("I-" + tag[2:], i) if tag.startswith("B-") else i for i, tag in enumerate(tag_names)]
 
     def align(batch, rows):
-        encoded = tokenizer(batch["tokens"], is_split_into_words=True, truncation=True, max_length=max_length,
-                            return_attention_mask=False, return_token_type_ids=False)
+        encoded = tokenizer(_fitting_words(batch["tokens"], tokenizer, max_length), is_split_into_words=True,
+                            truncation=True, max_length=max_length, return_attention_mask=False,
+                            return_token_type_ids=False)
         all_labels, all_word_ids = [], []
         for row, word_labels in enumerate(batch["labels"]):
             word_ids = encoded.word_ids(row)
@@ -140,6 +141,22 @@ def align_labels(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, ma
     if keep_words:
         features.update(words=datasets.Sequence(datasets.Value("string")), word_ids=TOKEN_IDS)
     return tokenizing.map(split, align, name, features)
+
+
+def _fitting_words(sentences: list[list[str]], tokenizer, max_length: int) -> list[list[str]]:
+    """Each sentence, or its first ``max_length`` words where they make at least ``max_length`` tokens: words are
+    tokenized one by one, so the tokens kept are the whole sentence's, and a sentence of a million words is not
+    tokenized whole to keep its start."""
+    long = [i for i, words in enumerate(sentences) if len(words) > max_length]
+    if not long:
+        return sentences
+    counts = tokenizer([sentences[i][:max_length] for i in long], is_split_into_words=True, add_special_tokens=False,
+                       return_attention_mask=False)["input_ids"]
+    fitting = list(sentences)
+    for i, ids in zip(long, counts, strict=True):
+        if len(ids) >= max_length:
+            fitting[i] = sentences[i][:max_length]
+    return fitting
 
 
 def count_cut(rows: datasets.Dataset) -> int:

@@ -57,6 +57,9 @@ class Task(Protocol):
     logged_figures: tuple[str, ...]
     """Optional: names of sums ``loss`` returns besides the loss; each logging interval logs each per loss unit,
     over every process (DPO's rewards)."""
+    run_files: tuple[str, ...]
+    """Optional: files the task keeps in the output folder for a resume of the run (DPO's precomputed reference);
+    a fresh start removes an earlier run's."""
 
     def load_tokenizer(self, cfg) -> Any:
         """The tokenizer (or processor) the data is tokenized with and that is saved beside the model."""

@@ -57,7 +57,8 @@ class ClassifyTask:
 
     def load_data(self, cfg):
         return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
-                           cfg.trust_remote_code, make_support_tickets, "support tickets (embedded default)")
+                           cfg.trust_remote_code, make_support_tickets, "support tickets (embedded default)",
+                           reread=cfg.overwrite_cache)
 
     def data_options(self, cfg):
         return {"text_columns": self.text_columns, "label_column": self.args.label_column,

@@ -63,6 +63,7 @@ class DPOTask:
                        "finetune.default_chat", "finetune.default_dataset")
     logged_figures = ("rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
                       "logps_rejected")
+    run_files = (REFERENCE_FILE,)
 
     def __init__(self, args: DPOArguments):
         self.args = args
@@ -73,7 +74,7 @@ class DPOTask:
 
     def load_data(self, cfg):
         return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
-                           cfg.trust_remote_code, make_preference_pairs, DEFAULT_DATA)
+                           cfg.trust_remote_code, make_preference_pairs, DEFAULT_DATA, reread=cfg.overwrite_cache)
 
     def data_options(self, cfg):
         return {"max_seq_length": cfg.max_seq_length}
@@ -83,7 +84,8 @@ class DPOTask:
         preference.tokenize_pairs(raw["validation"], tokenizer, cfg.max_seq_length, "validation", tokenizing,
                        generation_prompts=True)
         embedded = not (cfg.train_file or cfg.dataset_name)  # its replies name a team: routing accuracy is scored
-        return {"teams": list(raw["validation"]["team"]) if embedded else None, "cut": sum(train["cut"])}
+        return {"teams": list(raw["validation"]["team"]) if embedded else None, "cut": sum(train["cut"]),
+                "same": sum(train["same"])}
 
     def setup(self, cfg, tokenizer, data):
         args = self.args
@@ -92,6 +94,9 @@ class DPOTask:
         self.prompts = [row["prompt_ids"] for row in self.prompted]
         model = preference.load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
                                           trust_remote_code=cfg.trust_remote_code)
+        # The precision as the runtimes take it: the flag, else accelerate launch's configuration.
+        precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        reference_key = preference.reference_key(model, precision, data.folder) if args.precompute_ref_log_probs else ""
         if args.use_lora:
             model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
         causal_lm.check_output_layer(model)
@@ -99,7 +104,7 @@ class DPOTask:
         train_set, eval_collate = TokenizedDataset(data.train, COLUMNS), preference.PromptRepliesCollator(pad)
         self.reference = preference.Reference(model, preference.Precomputation(
             train_set, eval_collate, cfg.per_device_eval_batch_size, args.per_device_eval_max_tokens,
-            Path(cfg.output_dir) / REFERENCE_FILE, key=f"{cfg.model_name_or_path} {data.folder.name}",
+            Path(cfg.output_dir) / REFERENCE_FILE, key=reference_key,
         ) if args.precompute_ref_log_probs else None)
         adapter_start = cfg.model_name_or_path and preference.is_adapter_folder(cfg.model_name_or_path)
         return TaskSetup(train_set, TokenizedDataset(data.validation, COLUMNS), preference.PairCollator(pad), model,
@@ -107,6 +112,8 @@ class DPOTask:
                          summary=f"a pair per example, --loss_type {args.loss_type} --beta {args.beta}, "
                                  f"{'precomputed' if args.precompute_ref_log_probs else 'live'} reference"
                                  + (f", LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else "")
+                                 + (f", {data.info['same']} pair(s) whose chosen and rejected replies are the same "
+                                    "tokens (they train nothing)" if data.info["same"] else "")
                                  + (f", from {cfg.model_name_or_path} folded into its base model (the saved adapter "
                                     "applies to that model; --merge_lora also saves one that stands alone)"
                                     if adapter_start else ""))

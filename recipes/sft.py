@@ -68,7 +68,8 @@ class SFTTask:
 
     def load_data(self, cfg):
         return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
-                           cfg.trust_remote_code, make_support_conversations, DEFAULT_DATA)
+                           cfg.trust_remote_code, make_support_conversations, DEFAULT_DATA,
+                           reread=cfg.overwrite_cache)
 
     def data_options(self, cfg):
         return {"max_seq_length": cfg.max_seq_length}  # the chat template is the tokenizer's

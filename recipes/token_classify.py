@@ -61,7 +61,7 @@ class TokenClassifyTask:
     def load_data(self, cfg):
         return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
                            cfg.trust_remote_code, make_tagged_tickets, "tagged support tickets (embedded default)",
-                           readers={".conll": read_conll, ".txt": read_conll})
+                           readers={".conll": read_conll, ".txt": read_conll}, reread=cfg.overwrite_cache)
 
     def data_options(self, cfg):
         return {"text_column": self.args.text_column, "label_column": self.args.label_column,

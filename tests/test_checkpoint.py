@@ -1,4 +1,6 @@
+import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -221,7 +223,8 @@ def test_the_final_model_replaces_the_old_only_once_complete(tmp_path):
                                                         "notes.txt")} == {
         "model.safetensors": "new model.safetensors", "merged/model.safetensors": "new merged/model.safetensors",
         "notes.txt": "old notes.txt"}
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "merged", "model.safetensors", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [".finetune_saved.json", "config.json", "merged",
+                                                     "model.safetensors", "notes.txt"]
 
 
 def progress(world_size, batch, accumulation, **position):
@@ -259,3 +262,62 @@ def test_a_checkpoint_that_does_not_record_its_batch_resumes_only_at_its_world_s
     assert resumed_progress(old, progress(2, 4, 1), tmp_path, batches_per_rank=3).per_device_train_batch_size == 4
     with pytest.raises(UserError, match="written by 2 processes and this run has 1; the checkpoint does not record"):
         resumed_progress(old, progress(1, 8, 1), tmp_path, batches_per_rank=3)
+
+
+def test_the_final_save_removes_what_the_previous_save_wrote_and_not_the_user_s_files(tmp_path):
+    """A LoRA run's adapter, card and merged model, then a full model in the same folder: only the full model, the
+    user's notes and what no save wrote remain."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's notes")
+    (out / "log_history.jsonl").write_text('{"step": 1}\n')
+
+    def adapter(folder):
+        (folder / "merged").mkdir()
+        for name in ("adapter_config.json", "adapter_model.safetensors", "README.md", "tokenizer.json",
+                     "merged/model.safetensors", "merged/config.json"):
+            (folder / name).write_text(f"lora {name}")
+
+    def full_model(folder):
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (folder / name).write_text(f"full {name}")
+
+    write_final_model(str(out), adapter)
+    (out / "merged" / "mine.txt").write_text("the user's file in merged/")
+    assert write_final_model(str(out), full_model) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert {name: (out / name).read_text() for name in snapshot(out)} == {
+        ".finetune_saved.json": '[\n  "config.json",\n  "model.safetensors",\n  "tokenizer.json"\n]',
+        "config.json": "full config.json", "model.safetensors": "full model.safetensors",
+        "tokenizer.json": "full tokenizer.json", "notes.txt": "the user's notes", "log_history.jsonl": '{"step": 1}\n',
+        "merged/mine.txt": "the user's file in merged/"}
+    assert sorted(p.name for p in (out / "merged").iterdir()) == ["mine.txt"]
+
+
+def test_a_record_of_saved_files_edited_by_hand_reaches_nothing_outside_the_output_folder(tmp_path):
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    for folder in (out, outside):
+        folder.mkdir()
+    (outside / "victim.txt").write_text("precious")
+    (out / "linked").symlink_to(outside)
+    (out / ".finetune.lock").write_text("a run's lock")
+    (out / ".finetune_saved.json").write_text(json.dumps(["../outside/victim.txt", str(outside / "victim.txt"),
+                                                          "linked/victim.txt", ".finetune.lock", ""]))
+    write_final_model(str(out), lambda folder: (folder / "config.json").write_text("{}"))
+    assert (outside / "victim.txt").read_text() == "precious" and (out / ".finetune.lock").is_file()
+    assert json.loads((out / ".finetune_saved.json").read_text()) == ["config.json"]
+
+
+def test_a_resume_keeps_the_log_up_to_its_step_and_a_line_cut_short_goes(tmp_path):
+    (tmp_path / "log_history.jsonl").write_text("".join(f'{{"step": {step}, "loss": 0.5}}\n' for step in range(1, 7))
+                                                + '{"step": 7, "lo')
+    clear_output_dir(str(tmp_path), Progress(global_step=4, run_id="a"), overwrite=False)
+    assert [json.loads(line)["step"] for line in (tmp_path / "log_history.jsonl").read_text().splitlines()] == [
+        1, 2, 3, 4]
+
+
+def test_a_checkpoint_from_before_the_frozen_weights_were_recorded_resumes_and_records_them(tmp_path):
+    saved = progress(1, 8, 1, global_step=3)
+    resumed = resumed_progress(saved, replace(progress(1, 8, 1), frozen_weights="abc"), tmp_path, batches_per_rank=6)
+    assert resumed.frozen_weights == "abc" and resumed.global_step == 3
+    with pytest.raises(UserError, match="was trained on other frozen weights than this run's model"):
+        resumed_progress(resumed, replace(progress(1, 8, 1), frozen_weights="abd"), tmp_path, batches_per_rank=6)

@@ -3,7 +3,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
-from helpers import REPO
+from helpers import REPO, load_recipe
 
 from finetune.config import SCHEDULERS, arg, parse_config
 from finetune.errors import UserError
@@ -133,3 +133,37 @@ def test_a_mistake_in_the_flags_comes_back_before_the_loop_and_its_libraries_loa
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "2 [] True", result.stdout + result.stderr
     assert result.stderr.strip() == "error: --train_file and --validation_file go together; pass both"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("flag", ["learning_rate", "weight_decay", "max_grad_norm"])
+def test_a_float_option_that_is_no_finite_number_is_refused_at_flag_time(flag, value):
+    with pytest.raises(UserError, match=f"^--{flag} is {value}; give a finite number$"):
+        parse([f"--{flag}={value}"])
+
+
+@pytest.mark.parametrize(("flag", "value"), [("beta", "nan"), ("label_smoothing", "nan"), ("lora_dropout", "inf")])
+def test_a_recipe_s_own_float_option_is_checked_finite_at_flag_time(flag, value):
+    dpo = load_recipe("dpo")
+    with pytest.raises(UserError, match=f"^--{flag} is {value}; give a finite number$"):
+        parse_config(dpo.DPOArguments, [f"--{flag}", value])
+
+
+OUT_OF_RANGE = [
+    ("weight_decay", "-0.1", "--weight_decay is -0.1; it must be 0 or a positive number"),
+    ("max_grad_norm", "-1", "--max_grad_norm is -1.0; give the norm to clip the gradient to, or 0 to turn clipping "
+                            "off"),
+    ("seed", "-1", "--seed is -1; give a whole number from 0 to 4294967295"),
+    ("seed", "4294967296", "--seed is 4294967296; give a whole number from 0 to 4294967295"),
+    ("lora_r", "0", "--lora_r is 0; the rank of an adapter is a positive whole number"),
+    ("lora_alpha", "0", "--lora_alpha is 0; it scales the adapter's update by alpha / r"),
+    ("lora_dropout", "1.5", "--lora_dropout is 1.5; give the share of inputs dropped, in [0, 1)"),
+    ("lora_dropout", "-0.1", "--lora_dropout is -0.1; give the share of inputs dropped, in [0, 1)"),
+]
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), OUT_OF_RANGE, ids=[f"{f} {v}" for f, v, _ in OUT_OF_RANGE])
+def test_an_option_out_of_its_range_is_refused_at_flag_time_naming_it(flag, value, message):
+    with pytest.raises(UserError) as refused:
+        parse_config(load_recipe("sft").SFTArguments, [f"--{flag}", value])
+    assert str(refused.value).startswith(message)

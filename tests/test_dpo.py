@@ -21,8 +21,10 @@ from helpers import (
     recipe_path,
     run,
     run_on,
+    save_tiny_llama,
     timeless_history,
     tokenizing,
+    train_here,
     write_jsonl,
 )
 from safetensors.torch import load_file
@@ -221,6 +223,7 @@ def test_a_chat_run_s_adapter_is_the_start_and_the_reference(tiny_model, pair_fi
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model)
 
 
+@pytest.mark.slow
 def test_the_hub_gets_a_card_that_says_dpo_and_replies_are_generated_when_asked(hub, tiny_model, pair_files, tmp_path):
     run_on("dpo", tiny_model, pair_files, tmp_path / "out", "--max_train_steps", "1", "--eval_generate", "2",
            "--max_new_tokens", "4", "--push_to_hub", "--hub_model_id", "alice/support-dpo", "--hub_token", HUB_TOKEN,
@@ -268,3 +271,39 @@ def test_bad_input_is_one_error_line_and_changes_nothing(tiny_model, tmp_path, c
              write_jsonl(tmp_path / "validation.jsonl", validation or GOOD), "--output_dir", str(tmp_path / "out"),
              "--model_name_or_path", str(tiny_model), "--max_seq_length", "64", *extra_flags]
     assert_refused("dpo", flags, tmp_path, expected)
+
+
+
+def test_the_precomputed_reference_is_the_model_s_of_this_run(pair_files, chat_tokenizer, tmp_path):
+    """New weights written into the model folder between two runs: the second's first loss is ln 2 (its reference
+    is its starting model), not what the first run's table gives. A fresh start with the same model computes the
+    table again; a resume reads it."""
+    model = save_tiny_llama(tmp_path / "model", chat_tokenizer, initializer_range=0.05)
+    out = tmp_path / "out"
+    flags = [*pair_files, "--model_name_or_path", str(model), "--output_dir", str(out), "--max_train_steps", "2",
+             "--per_device_train_batch_size", "4", "--precompute_ref_log_probs", "--checkpointing_steps", "1"]
+    train_here("dpo", *flags)
+    table = out / "ref_log_probs.safetensors"
+    first = load_file(table)["log_probs"]
+    save_tiny_llama(model, chat_tokenizer, initializer_range=0.2)  # retrained in place, as it were
+    train_here("dpo", *flags, "--overwrite_output_dir")
+    assert log_history(out)[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    second = load_file(table)["log_probs"]
+    assert (second - first).abs().min() > 1e-3
+    written = table.stat().st_mtime_ns
+    train_here("dpo", *flags, "--overwrite_output_dir", "--max_train_steps", "1")
+    assert table.stat().st_mtime_ns != written and torch.equal(load_file(table)["log_probs"], second)
+    written = table.stat().st_mtime_ns
+    train_here("dpo", *flags, "--resume_from_checkpoint", str(out / "checkpoints" / "step_1"))
+    assert table.stat().st_mtime_ns == written, "read, not computed again"
+
+
+def test_pairs_whose_replies_are_the_same_tokens_are_counted_at_start_up(tiny_model, tmp_path):
+    """They train nothing (loss ln 2, no gradient): one is the same text, one differs only past the cut."""
+    same = [pair("Refund order 42?", "Team: billing\nDone.", "Team: billing\nDone."),
+            pair("Refund order 43?", "Team: billing " + "x " * 80 + "one", "Team: billing " + "x " * 80 + "two")]
+    flags = ["--train_file", write_jsonl(tmp_path / "train.jsonl", [*GOOD, *same]), "--validation_file",
+             write_jsonl(tmp_path / "validation.jsonl", GOOD), "--output_dir", str(tmp_path / "out"),
+             "--model_name_or_path", str(tiny_model), "--max_seq_length", "64", "--max_train_steps", "1"]
+    result = train_here("dpo", *flags)
+    assert ", 2 pair(s) whose chosen and rejected replies are the same tokens (they train nothing)" in result.stdout

@@ -98,3 +98,32 @@ def test_texts_far_over_max_seq_length_are_truncated_and_counted(folder, tiny_be
     result = train_here("classify", *files(folder, train=str(folder / "long.csv")), "--max_train_steps", "1",
                         "--max_seq_length", "16", "--model_name_or_path", str(tiny_bert))
     assert "10 examples (1 cut to --max_seq_length 16)" in result.stdout
+
+
+MORE_CASES = {
+    "labels mixing ids and names": (
+        lambda d: files(d, train=jsonl(d / "t.jsonl", [{"text": "a", "label": 1}, {"text": "b", "label": "x"},
+                                                       {"text": "c", "label": 2}])),
+        "error: train data mixes class names and ids in column 'label' (row 2: 'x', row 1: 1); give every label the "
+        "same way"),
+    "an empty jsonl file": (lambda d: files(d, train=write(d / "t.jsonl", "")), "t.jsonl holds no rows"),
+    "a line that is not json": (
+        lambda d: files(d, train=write(d / "t.jsonl", "".join(
+            (json.dumps(row) if number != 8 else "hello") + "\n" for number, row in enumerate(GOOD_ROWS, 1)))),
+        "t.jsonl line 8 is not a JSON object (Expecting value); fix the line"),
+    "a line that is a list": (
+        lambda d: files(d, validation=write(d / "v.jsonl", "".join(
+            (json.dumps(row) if number != 3 else "[1, 2]") + "\n" for number, row in enumerate(GOOD_ROWS, 1)))),
+        "--validation_file " + "{d}/v.jsonl line 3 is not a JSON object (a list); fix the line"),
+    "a seed numpy cannot take": (lambda d: [*files(d), "--seed", "-1"], "--seed is -1; give a whole number from 0"),
+    "no room for text": (lambda d: [*files(d), "--max_seq_length", "1"],
+                         "--max_seq_length 1 leaves no room for the text: the tokenizer adds 2 special tokens to each "
+                         "example; give at least 3"),
+    "only room for the special tokens": (lambda d: [*files(d), "--max_seq_length", "2"], "give at least 3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MORE_CASES))
+def test_more_hostile_input_is_refused_cleanly_and_names_rows_as_counted_from_1(folder, case):
+    make_argv, expected = MORE_CASES[case]
+    assert_refused("classify", make_argv(folder), folder, expected.format(d=folder))

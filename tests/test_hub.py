@@ -174,6 +174,7 @@ def test_failed_pushes_are_retried_then_reported_and_training_completes(hub, sma
     assert_token_nowhere(out, result.stdout, result.stderr)
 
 
+@pytest.mark.slow
 def test_a_revoked_token_mid_run_is_not_retried_and_training_completes(hub, small_data, tiny_bert, tmp_path):
     out = tmp_path / "out"
     hub.faults = [Fault("/commit/", "401", times=100)]
@@ -205,7 +206,7 @@ def test_a_stalled_hub_never_holds_training_and_hub_strict_fails_the_run(hub, sm
 
 
 @pytest.mark.parametrize(("token", "reason"), [("hf_wrongToken000", "401 Unauthorized"),
-                                               (READ_ONLY_TOKEN, "403 Forbidden")])
+                                               pytest.param(READ_ONLY_TOKEN, "403 Forbidden", marks=pytest.mark.slow)])
 def test_a_bad_token_fails_within_seconds_before_training(hub, small_data, tiny_bert, tmp_path, token, reason):
     out = tmp_path / "out"
     start = time.monotonic()
@@ -436,3 +437,62 @@ print(len([s for s in pusher.finish() if "error" in s]), "unfinished", flush=Tru
     seconds = float(result.stdout.split("queued in ")[1].split(" s")[0])
     assert seconds < 2, result.stdout
     assert "200 unfinished" in result.stdout
+
+
+def test_a_checkpoint_push_deletes_what_the_last_checkpoint_held_and_its_own_does_not(hub, tmp_path, monkeypatch):
+    """A 2-process run pushes last-checkpoint/ with two processes' RNG states, a 1-process resume pushes its own
+    with one: in the same commit, the other goes, so the checkpoint that comes back verifies."""
+    from finetune.checkpoint import Progress, write_manifest
+    from finetune.hub import HubPusher
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    for name, value in hub.env.items():
+        monkeypatch.setenv(name, value)
+    for step, ranks in ((4, 2), (8, 1)):
+        folder = tmp_path / "out" / "checkpoints" / f"step_{step}"
+        for name in ("model.safetensors", "optimizer.bin", "progress.json",
+                     *(f"random_states_{rank}.pkl" for rank in range(ranks))):
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(f"{name} of step {step}".encode())
+        write_manifest(folder, Progress(global_step=step, world_size=ranks))
+        pusher = HubPusher(enabled=True, output_dir=str(tmp_path / "out"), repo_id="alice/resumed", token=TOKEN,
+                           private=False, revision=None, strategy="checkpoint", timeout=30)
+        pusher.push_checkpoint(folder, step, Saves("config.json"), Saves("tokenizer.json"))
+        assert not [push for push in pusher.finish() if "error" in push]
+    assert [c["summary"] for c in hub.commits("alice/resumed")] == ["Training in progress, step 4",
+                                                                    "Training in progress, step 8"]
+    files = hub.files("alice/resumed")
+    assert sorted(files) == ["config.json", "last-checkpoint/manifest.json", "last-checkpoint/model.safetensors",
+                             "last-checkpoint/optimizer.bin", "last-checkpoint/progress.json",
+                             "last-checkpoint/random_states_0.pkl", "model.safetensors", "tokenizer.json"]
+    fetch = ("import sys; from finetune.checkpoint import verify_checkpoint; from finetune.hub import "
+             "download_last_checkpoint as fetch; verify_checkpoint(fetch(sys.argv[1], None, sys.argv[2]))")
+    run([sys.executable, "-c", fetch, "hub:alice/resumed", TOKEN], env=hub.env)
+
+
+def test_the_final_push_sends_the_files_as_saved_even_if_a_later_run_replaces_them(hub, tmp_path, monkeypatch):
+    """A push left to the uploader after a stop outlives its run and the lock on the folder; a later run there
+    then swaps in its own model (a rename, as the final save does) while the push waits for the Hub."""
+    from finetune.hub import HubPusher
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    for name, value in hub.env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("model.safetensors", "config.json"):
+        (out / name).write_text(f"this run's {name}")
+    pusher = HubPusher(enabled=True, output_dir=str(out), repo_id="alice/outlived", token=TOKEN, private=False,
+                       revision=None, strategy="end", timeout=30)
+    os.kill(pusher._uploader.pid, signal.SIGSTOP)
+    pusher.push_final(str(out), ["config.json", "model.safetensors"], 5)
+    for name in ("model.safetensors", "config.json"):
+        (out / f"{name}.new").write_text(f"the next run's {name}")
+        (out / f"{name}.new").replace(out / name)
+    os.kill(pusher._uploader.pid, signal.SIGCONT)
+    assert not [push for push in pusher.finish() if "error" in push]
+    assert hub.files("alice/outlived") == {"config.json": b"this run's config.json",
+                                           "model.safetensors": b"this run's model.safetensors"}
+    assert not list((out / ".hub_staging").iterdir()), "the pushed copy is gone"

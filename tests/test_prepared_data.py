@@ -26,6 +26,7 @@ from helpers import (
     write_csv,
 )
 
+from finetune.data import file_digest
 from finetune.errors import UserError
 from finetune.prepared_data import cache_folder, load_or_build
 
@@ -264,3 +265,256 @@ def assert_fetches_start_at_the_checkpoint(ranks: list[dict], checkpoint: Path) 
                     for b in sampler.plan(epoch, rank)[progress["batches_in_epoch"] if epoch == progress["epoch"]
                                                        else 0:]]
         assert record["fetched"] == expected
+
+
+# -- a local file is known by its content; a cache that cannot be used is built again
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def tickets(path: Path, labels: str) -> Path:
+    return write_jsonl(path, [{"text": f"ticket number {i}", "label": label} for i, label in enumerate(labels)])
+
+
+def edit_keeping_the_modification_time(path: Path, labels: str) -> None:
+    """The rows' labels changed in place (the same size), the modification time put back as ``touch -r`` does."""
+    stat = path.stat()
+    tickets(path, labels)
+    assert path.stat().st_size == stat.st_size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_file_edited_with_its_modification_time_kept_is_read_again(tmp_path):
+    train = tickets(tmp_path / "t.jsonl", "abab")
+    validation = write_jsonl(tmp_path / "v.jsonl", [{"text": "ticket", "label": label} for label in "ab"])
+    flags = ["--train_file", str(train), "--validation_file", str(validation), "--dataset_cache_dir",
+             str(tmp_path / "cache")]
+    assert list(load_or_build(*classify(flags)).train["labels"]) == [0, 1, 0, 1]
+    edit_keeping_the_modification_time(train, "bbaa")
+    assert list(load_or_build(*classify(flags)).train["labels"]) == [1, 1, 0, 0]
+    edit_keeping_the_modification_time(train, "abba")
+    assert list(load_or_build(*classify([*flags, "--overwrite_cache"])).train["labels"]) == [0, 1, 1, 0]
+
+
+def test_overwrite_cache_reads_the_raw_files_again_not_datasets_copy_of_them(tmp_path):
+    from datasets.arrow_writer import ArrowWriter
+
+    train = write_jsonl(tmp_path / "t.jsonl", [{"text": f"note {i}", "label": label} for i, label in enumerate("abab")])
+    validation = tickets(tmp_path / "v.jsonl", "ab")
+    flags = ["--train_file", str(train), "--validation_file", str(validation), "--dataset_cache_dir",
+             str(tmp_path / "cache")]
+    load_or_build(*classify(flags))
+    (copy,) = (Path(os.environ["HF_DATASETS_CACHE"]) / "finetune-files" / file_digest(str(train))).rglob("*.arrow")
+    with ArrowWriter(path=str(copy)) as writer:  # datasets' copy no longer says what the file says
+        writer.write_batch({"text": [f"note {i}" for i in range(4)], "label": list("bbab")})
+    assert list(load_or_build(*classify([*flags, "--max_seq_length", "40"])).train["labels"]) == [1, 1, 0, 1]
+    assert list(load_or_build(*classify([*flags, "--overwrite_cache"])).train["labels"]) == [0, 1, 0, 1]
+
+
+def damage_cache(folder: Path, damage: str) -> None:
+    arrow = folder / "train.arrow"
+    if damage == "truncated":
+        arrow.write_bytes(arrow.read_bytes()[:len(arrow.read_bytes()) // 2])
+    elif damage == "changed":
+        data = bytearray(arrow.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        arrow.write_bytes(bytes(data))
+    else:
+        (folder / "prepared.json").unlink()
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    ("truncated", r"train\.arrow holds \d+ bytes where the build wrote \d+"),
+    ("changed", r"train\.arrow changed after the build \(its checksum differs\)"),
+    ("no prepared.json", r"it has no prepared\.json"),
+])
+def test_a_cache_folder_that_cannot_be_used_is_said_in_one_line_and_built_again(small_data, tmp_path, capsys,
+                                                                                damage, reason):
+    import re
+
+    flags = [*data_flags(small_data), "--dataset_cache_dir", str(tmp_path / "cache")]
+    built = load_or_build(*classify(flags))
+    rows, folder = built.train.to_dict(), built.folder
+    del built  # its memory map of the file damaged next
+    damage_cache(folder, damage)
+    capsys.readouterr()
+    again = load_or_build(*classify(flags))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and re.fullmatch(
+        f"warning: the data cache {re.escape(str(folder))} cannot be used \\({reason}\\); building it again",
+        warnings[0]), warnings
+    assert again.folder == folder and again.train.to_dict() == rows
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name, folder.name + ".lock"]
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_every_process_opens_the_cache_holding_its_lock(small_data, tmp_path, monkeypatch, local_rank):
+    """So that an --overwrite_cache build on another node cannot remove the folder while a process opens it."""
+    import filelock
+
+    flags = [*data_flags(small_data), "--dataset_cache_dir", str(tmp_path / "cache")]
+    folder = load_or_build(*classify(flags)).folder
+    held = []
+    original = datasets.Dataset.from_file
+
+    def from_file(*args, **kwargs):
+        probe = filelock.FileLock(str(folder) + ".lock", timeout=0)
+        try:
+            probe.acquire()
+            probe.release()
+            held.append(False)
+        except filelock.Timeout:
+            held.append(True)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(datasets.Dataset, "from_file", from_file)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert len(load_or_build(*classify(flags)).train) == 42
+    assert held == [True, True], "both splits' files were opened under the lock"
+
+
+def test_a_disk_that_fills_during_a_build_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """Files stop growing at 64 kB while the train split is written (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC)."""
+    import resource
+
+    from finetune.prepared_data import Tokenizing
+
+    rows = [{"text": f"please look at ticket number {i} " * 3, "label": "ab"[i % 2]} for i in range(3000)]
+    flags = ["--train_file", str(write_jsonl(tmp_path / "t.jsonl", rows)), "--validation_file",
+             str(tickets(tmp_path / "v.jsonl", "ab")), "--dataset_cache_dir", str(tmp_path / "cache"),
+             "--max_seq_length", "64"]
+    task, cfg, tokenizer = classify(flags)
+    original = Tokenizing.map
+
+    def map_on_a_small_disk(self, *args, **kwargs):
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+    monkeypatch.setattr(Tokenizing, "map", map_on_a_small_disk)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing the process
+    try:
+        with pytest.raises(UserError, match=r"^cannot write the data cache .*classify-\w+ \(File too large\); free "
+                                            "disk space or choose another --dataset_cache_dir$"):
+            load_or_build(task, cfg, tokenizer)
+    finally:
+        signal.signal(signal.SIGXFSZ, previous)
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_tokenizing_workers_die_with_a_build_that_is_killed(small_data, tmp_path):
+    import psutil
+
+    flags = [*data_flags(small_data), "--dataset_cache_dir", str(tmp_path / "cache"), "--preprocessing_num_workers",
+             "2"]
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import os, sys, time
+sys.path.insert(0, {str(REPO / 'tests')!r})
+from helpers import load_recipe
+from finetune import prepared_data
+def hang(self, batch, rows):
+    print("worker", os.getpid(), flush=True)
+    time.sleep(600)
+prepared_data._Guarded.__call__ = hang
+recipe = load_recipe()
+cfg, args = recipe.parse_config(recipe.ClassifyArguments, {flags!r})
+task = recipe.ClassifyTask(args)
+prepared_data.load_or_build(task, cfg, task.load_tokenizer(cfg))
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        started = [child.stdout.readline() for _ in range(2)]
+        assert all(line.startswith("worker ") for line in started), started
+        processes = psutil.Process(child.pid).children(recursive=True)  # the pool's, the tokenizing ones among them
+        assert {int(line.split()[1]) for line in started} <= {p.pid for p in processes}
+    finally:
+        child.kill()
+        child.wait()
+    gone, alive = psutil.wait_procs(processes, timeout=60)
+    for process in alive:
+        process.kill()
+    assert not alive, "every process the build started died with it"
+
+
+# -- what can never fit is cut before it is tokenized, keeping exactly the tokens kept
+
+def long_texts(count: int, special: str) -> list[str]:
+    """Texts of 1,000 to 3,000 characters: words, numbers, accents, CJK, emoji, runs of white space, an added token
+    (``special``) just before the cut at 16 x 32 characters; a word of 600 letters across the cut, white space
+    alone, one word alone."""
+    import random
+
+    generator = random.Random(0)
+    pieces = ["ticket", "refund", "42", "café", "日本語", "👋", ",", "!!", "   ", "\n\n", "don't", "e-mail"]
+    texts = []
+    for number in range(count):
+        text = ""
+        while len(text) < generator.randrange(1000, 3000):
+            text += generator.choice(pieces) + " " * generator.randrange(0, 3)
+        at = 512 - generator.randrange(0, 24)
+        texts.append(text[:at] + special + text[at:] if number % 3 == 0 else text)
+    return texts + ["word " * 90 + "x" * 600 + " word" * 90, " " * 5000 + "end", "x" * 5000]
+
+
+@pytest.mark.parametrize("model", ["minilm", "smollm2"])
+def test_a_text_cut_before_tokenizing_keeps_exactly_the_tokens_kept(model):
+    from transformers import AutoTokenizer
+
+    from finetune.models import default_chat_model_path, default_model_path
+    from finetune.prepared_data import fitting_prefixes
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path() if model == "minilm" else default_chat_model_path())
+    texts = long_texts(60, "[SEP]" if model == "minilm" else "<|im_start|>")
+    cut, lengths = fitting_prefixes(texts, tokenizer, 32)
+    assert sum(length is not None for length in lengths) > 50, "most long texts are cut"
+    assert cut[-2:] == texts[-2:], "white space, or one word, is tokenized whole"
+
+    def kept(rows):
+        return tokenizer(rows, truncation=True, max_length=32)["input_ids"]
+
+    assert kept(cut) == kept(texts)
+
+
+def test_a_pair_is_cut_only_where_the_order_of_its_lengths_stays(tmp_path):
+    """Truncating the longest first gives the longer text of a pair the odd token (--max_seq_length 33)."""
+    from helpers import tokenizing
+    from transformers import AutoTokenizer
+
+    from finetune.classification import tokenize_texts
+    from finetune.models import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    texts = long_texts(30, "")
+    pairs = {"text": texts, "other": texts[::-1], "labels": [0] * len(texts)}
+    pairs["other"][:5] = ["short one"] * 5
+    rows = tokenize_texts(datasets.Dataset.from_dict(pairs), tokenizer, ["text", "other"], 33, "train",
+                          tokenizing(tmp_path))
+    assert rows["input_ids"] == tokenizer(pairs["text"], pairs["other"], truncation=True, max_length=33)["input_ids"]
+
+
+def test_a_row_of_megabytes_is_not_tokenized_whole(tmp_path, monkeypatch):
+    """Before, the whole text was tokenized and then cut: one 21 MB row took 607 s and 3.25 GB."""
+    import transformers
+
+    rows = [{"text": "please refund my order " * 100_000, "label": "billing"},
+            *({"text": f"ticket {i}", "label": "ab"[i % 2]} for i in range(7))]
+    flags = ["--train_file", str(write_jsonl(tmp_path / "t.jsonl", rows)), "--validation_file",
+             str(tickets(tmp_path / "v.jsonl", "ab")), "--dataset_cache_dir", str(tmp_path / "cache"),
+             "--max_seq_length", "32"]
+    task, cfg, tokenizer = classify(flags)
+    longest = []
+    call = transformers.PreTrainedTokenizerBase.__call__
+
+    def noting_the_longest_text(self, text=None, *args, **kwargs):
+        longest.append(max(map(len, text if isinstance(text, list) else [text]), default=0))
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", noting_the_longest_text)
+    data = load_or_build(task, cfg, tokenizer)
+    assert max(longest) <= 16 * 32, "no text longer than 16 characters a kept token reached the tokenizer"
+    assert data.train[0]["input_ids"] == tokenizer("please refund my order " * 30, truncation=True,
+                                                   max_length=32)["input_ids"]

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
+from pathlib import Path
 
 import psutil
+import pytest
 from helpers import (
     FILE_SIZE_LIMIT,
     REPO,
     assert_refused,
     classify_flags,
     limit_file_size,
+    log_history,
     one_error_line,
     python_cmd,
     snapshot,
@@ -140,3 +144,70 @@ def test_a_second_run_on_a_folder_a_living_run_holds_is_refused_and_a_killed_run
 
     train_here("classify", *flags, "--resume_from_checkpoint", "latest", "--checkpointing_steps", "epoch")
     assert not (out / ".finetune.lock").exists(), "the lock file goes when its run ends"
+
+
+@pytest.mark.parametrize("checkpointing", [[], ["--checkpointing_steps", "1"]], ids=["final save", "checkpoint"])
+def test_weights_an_update_made_non_finite_are_never_saved(small_data, tiny_bert, tmp_path, checkpointing):
+    """At learning rate 1e39 (finite, but not in float32) step 1's loss and gradient are finite and its update makes
+    every weight NaN: neither the checkpoint of that step nor the final model is written over the earlier model."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (out / name).write_text(f"the earlier run's {name}")
+    before = snapshot(out)
+    result = train_here("classify", *classify_flags(small_data, tiny_bert, "--learning_rate", "1e39",
+                                                    "--max_train_steps", "1", "--overwrite_output_dir",
+                                                    "--output_dir", str(out), *checkpointing), check=False)
+    error = one_error_line(result.returncode, result.stderr)
+    assert error.startswith("error: a weight was not finite after step 1, so nothing from that step on was saved")
+    assert {name: digest for name, digest in snapshot(out).items() if name != "log_history.jsonl"} == before
+
+
+def test_a_resume_from_an_earlier_step_of_the_folder_s_own_run_is_refused(small_data, tmp_path):
+    """The run went on to step_20: resuming step_5 into the same folder would leave step_15 and step_20 beside the
+    new trajectory's checkpoints, and `latest` would continue the abandoned one."""
+    out = tmp_path / "out"
+    resumed = write_checkpoint(out, 5, "r")
+    for step in (10, 15, 20):
+        write_checkpoint(out, step, "r")
+    error = assert_refused("classify", [*classify_flags(small_data, "unused"), "--output_dir", str(out),
+                                        "--resume_from_checkpoint", str(resumed), "--max_train_steps", "10"], out)
+    assert error == (
+        f"error: --output_dir {out} holds checkpoints of its own run of later steps (step_10, step_15, step_20) than "
+        f"{resumed}, which this run resumes from, and `latest` would continue the trajectory this resume abandons; "
+        "pass --overwrite_output_dir to remove them once this run starts, or choose another --output_dir")
+
+
+@pytest.mark.parametrize("where", ["in the folder", "a copy elsewhere"])
+def test_overwrite_output_dir_removes_the_steps_a_resume_abandons(small_data, tiny_bert, tmp_path, where):
+    from finetune.checkpoint import find_latest_checkpoint, read_progress
+
+    out = tmp_path / "out"
+    flags = classify_flags(small_data, tiny_bert, "--per_device_train_batch_size", "8", "--checkpointing_steps", "1",
+                           "--output_dir", str(out))
+    train_here("classify", *flags, "--max_train_steps", "4")
+    start = out / "checkpoints" / "step_1"
+    if where == "a copy elsewhere":
+        start = Path(shutil.copytree(start, tmp_path / "copy" / "step_1"))
+    first_run = read_progress(start).run_id
+    train_here("classify", *flags, "--max_train_steps", "2", "--resume_from_checkpoint", str(start),
+               "--overwrite_output_dir", "--checkpoints_total_limit", "1")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
+    latest = find_latest_checkpoint(str(out))
+    assert latest == out / "checkpoints" / "step_2" and read_progress(latest).run_id == first_run
+    assert [h["step"] for h in log_history(out)] == [1, 2], "the abandoned steps' lines went too"
+
+
+def test_latest_with_every_checkpoint_damaged_is_not_advised_latest(small_data, tmp_path):
+    out = tmp_path / "out"
+    for step in (4, 8):
+        (write_checkpoint(out, step, "r") / "model.safetensors").write_bytes(b"damaged")
+    before = snapshot(out)
+    result = train_here("classify", *classify_flags(small_data, "unused"), "--output_dir", str(out),
+                        "--resume_from_checkpoint", "latest", check=False)
+    assert result.stderr.count("warning: skipping") == 2
+    assert one_error_line(result.returncode, result.stderr) == (
+        f"error: --output_dir {out} holds checkpoints (step_4, step_8) of which none verifies (see the warnings "
+        "above), so --resume_from_checkpoint latest has none to continue from; pass --overwrite_output_dir to start "
+        "afresh and remove them, or resume from a copy elsewhere with --resume_from_checkpoint PATH")
+    assert snapshot(out) == before

@@ -17,6 +17,7 @@ from helpers import (
     read_jsonl,
     read_results,
     run_on,
+    save_tiny_llama,
     timeless_history,
     tiny_llama,
     tokenizing,
@@ -331,3 +332,35 @@ def test_the_hub_gets_the_adapter_the_merged_model_and_a_peft_card(hub, tiny_cha
     card = files["README.md"].decode()
     assert "library_name: peft" in card and "AutoPeftModelForCausalLM.from_pretrained(\"alice/support-chat\")" in card
     assert "eval_loss" in card and HUB_TOKEN not in card + result.stdout + result.stderr
+
+
+def test_a_full_model_saved_over_an_adapter_loads_as_itself(tiny_chat_model, chat_files, tmp_path):
+    """A LoRA run with its merged model, then a full fine-tune into the same folder: no adapter, card or merged/ of
+    the first is left, so from_pretrained gives exactly the saved weights (the old adapter would be attached)."""
+    out = tmp_path / "out"
+    flags = ["--max_train_steps", "1", "--eval_generate", "0", "--learning_rate", "1e-2"]
+    run_on("sft", tiny_chat_model, chat_files, out, *flags, "--merge_lora")
+    assert (out / "adapter_model.safetensors").is_file() and (out / "merged").is_dir()
+    run_on("sft", tiny_chat_model, chat_files, out, *flags, "--no_use_lora", "--overwrite_output_dir")
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "all_results.json", "chat_template.jinja", "config.json", "generation_config.json", "log_history.jsonl",
+        "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    saved = AutoModelForCausalLM.from_pretrained(tiny_chat_model).eval()
+    saved.load_state_dict(load_file(out / "model.safetensors"), strict=False)  # the tied head is the embedding
+    ids = torch.tensor([[1, 400, 2000, 35, 7]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, saved(ids).logits)
+
+
+def test_resuming_a_lora_checkpoint_on_another_base_model_is_refused(tiny_chat_model, tokenizer, chat_files,
+                                                                     tmp_path):
+    """Of the same shapes, so the adapter loads; the checkpoint records a hash of the frozen weights it was trained
+    on."""
+    other_base = save_tiny_llama(tmp_path / "other_base", tokenizer, initializer_range=0.05)
+    flags = ["--max_train_steps", "2", "--checkpointing_steps", "1", "--eval_generate", "0"]
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "first", *flags)
+    checkpoint = tmp_path / "first" / "checkpoints" / "step_1"
+    assert_refused("sft", [*chat_files, *flags, "--model_name_or_path", str(other_base), "--output_dir",
+                           str(tmp_path / "second"), "--resume_from_checkpoint", str(checkpoint)],
+                   tmp_path, f"{checkpoint} was trained on other frozen weights than this run's model")

@@ -123,3 +123,31 @@ def test_the_default_data_is_deterministic_and_covers_every_entity_type():
     assert {f"B-{kind}" for kind in ENTITY_TYPES} <= tags and "I-PRODUCT" in tags
     no_entity = [s for s in first["train"]["ner_tags"] if not any(s)]
     assert 0.02 < len(no_entity) / len(first["train"]) < 0.3, "some sentences hold no entity at all"
+
+
+def test_a_sentence_far_over_the_limit_is_cut_to_its_first_words_before_tokenizing(tmp_path, monkeypatch):
+    """Its sub-tokens, labels, word ids and the count of cut sentences are those the whole sentence tokenized
+    gives; the tokenizer never sees more than --max_seq_length words of it."""
+    import transformers
+
+    from finetune import tagging
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    long = ["Refund", "$49.99", "to", "lee_99@example.co.uk"] * 5000
+    tags = ["O", "B-AMOUNT", "O", "B-EMAIL"] * 5000
+    names, train, _ = encode_tags(split([long, ["a"] * 20, ["\u200b"] * 40 + ["b"] * 20],
+                                        [tags, ["O"] * 20, ["O"] * 60]),
+                                  split([["x"]], [["O"]]), "tokens", "ner_tags")
+    longest = []
+    call = transformers.PreTrainedTokenizerBase.__call__
+
+    def noting_the_longest(self, text=None, *args, **kwargs):
+        longest.append(max(map(len, text)))
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", noting_the_longest)
+    cut = align_labels(train, tokenizer, 16, True, names, "train", tokenizing(tmp_path), keep_words=True).to_dict()
+    assert max(longest) == 60, "the 20,000 words went as 16; the 60 words that make too few tokens went whole"
+    monkeypatch.setattr(tagging, "_fitting_words", lambda sentences, *_: sentences)
+    whole = align_labels(train, tokenizer, 16, True, names, "train", tokenizing(tmp_path), keep_words=True).to_dict()
+    assert cut == whole and count_cut(datasets.Dataset.from_dict(cut)) == 3
