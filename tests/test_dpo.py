@@ -126,8 +126,7 @@ def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, pair_f
     """A pair is the loss unit: the mean over the pairs of a whole window on all ranks, so 1 x 4 equals 2 x 2. The
     torchrun run precomputes its reference, each pair on one of the two processes."""
     outs = {"one": tmp_path / "one", "accelerate": tmp_path / "accelerate", "torchrun": tmp_path / "torchrun"}
-    run_on("dpo", tiny_model, pair_files, outs["one"], *PARITY_FLAGS, "--per_device_train_batch_size", "4",
-           launcher="accelerate", processes=1)
+    run_on("dpo", tiny_model, pair_files, outs["one"], *PARITY_FLAGS, "--per_device_train_batch_size", "4")
     for launcher, extra in (("accelerate", []), ("torchrun", ["--precompute_ref_log_probs"])):
         run_on("dpo", tiny_model, pair_files, outs[launcher], *PARITY_FLAGS, *extra, "--per_device_train_batch_size",
                "2", launcher=launcher, processes=2)

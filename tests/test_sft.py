@@ -157,8 +157,7 @@ def test_one_process_and_two_train_alike_under_both_launchers(tiny_chat_model_wi
     """The loss is the mean over the trained tokens of a whole window on all ranks: 1 x 4 equals 2 x 2."""
     model = tiny_chat_model_with_distinct_replies
     outs = {"one": tmp_path / "one", launcher: tmp_path / launcher}
-    run_on("sft", model, chat_files, outs["one"], *PARITY_FLAGS, batches, "--per_device_train_batch_size", "4",
-           launcher="accelerate", processes=1)
+    run_on("sft", model, chat_files, outs["one"], *PARITY_FLAGS, batches, "--per_device_train_batch_size", "4")
     run_on("sft", model, chat_files, outs[launcher], *PARITY_FLAGS, batches, "--per_device_train_batch_size", "2",
            launcher=launcher, processes=2)
     reference = log_history(outs["one"])

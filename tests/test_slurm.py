@@ -3,6 +3,7 @@ launch/local_slurm.sh (and installed by it where missing)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -21,9 +22,10 @@ from helpers import (
     parity_flags,
     read_results,
     snapshot,
+    wait_for,
 )
 
-from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
+from finetune.checkpoint import checkpoint_path, find_latest_checkpoint, verify_checkpoint
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -140,9 +142,22 @@ def test_a_requeued_job_resumes_by_itself_to_the_same_weights_keeping_its_checkp
     out = tmp_path / "out"
     job = Job(slurm, tmp_path, ["--cpus-per-task=2"],
               [*parity_flags(small_data, tiny_bert_without_dropout, 4), "--output_dir", str(out)])
-    first = job.wait(lambda: checkpoint_at_least(out, 4), "checkpoint")
+    # Frozen as soon as its checkpoint is complete, while Slurm is told, so that the tiny model's run cannot train
+    # to its end first (Slurm sends the step SIGCONT with its SIGTERM).
+    def trainers_started():
+        found = [p for p in job.processes() if "classify.py" in " ".join(p.cmdline()) and "RANK" in p.environ()]
+        return found if len(found) == 2 else None
+
+    trainers = job.wait(trainers_started, "both training processes")
+    first = wait_for(lambda: checkpoint_path(str(out), 4) if (checkpoint_path(str(out), 4) / "manifest.json").exists()
+                     else None, "step 4's checkpoint", interval=0.001)
+    for process in trainers:
+        process.suspend()
     kept = written(first)
     job.scontrol("requeue", job.id)
+    for process in trainers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.resume()
 
     job.start_requeued_now()
     info = job.wait_until_ended()

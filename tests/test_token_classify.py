@@ -10,16 +10,15 @@ import datasets
 import pytest
 import torch
 from helpers import (
-    accelerate_cmd,
     assert_refused,
     assert_same_steps,
     assert_weights_match_a_parity_run,
+    launch_cmd,
     load_recipe,
     log_history,
     read_results,
     recipe_path,
     run,
-    torchrun_cmd,
     train_here,
     write_jsonl,
 )
@@ -118,26 +117,22 @@ def test_one_process_and_two_train_alike_under_both_launchers(tagged_data, tiny_
     """Loss units are tokens here: 1 x batch 8 and 2 x batch 4, Accelerate and raw DDP, all the same."""
     common = [*tagged_data, "--model_name_or_path", str(tiny_bert_without_dropout), "--gradient_accumulation_steps",
               "2", "--num_train_epochs", "3", "--checkpointing_steps", "4"]
-    outs = {}
-    for name, command in {"accelerate_1": accelerate_cmd(*common, "--per_device_train_batch_size", "8",
-                                                          num_processes=1, script=RECIPE),
-                          "accelerate_2": accelerate_cmd(*common, "--per_device_train_batch_size", "4",
-                                                          script=RECIPE),
-                          "torchrun_2": torchrun_cmd(*common, "--per_device_train_batch_size", "4",
-                                                     script=RECIPE)}.items():
-        outs[name] = tmp_path / name
-        run([*command, "--output_dir", str(outs[name])])
-    reference = log_history(outs["accelerate_1"])
+    outs = {name: tmp_path / name for name in ("one", "accelerate_2", "torchrun_2")}
+    train_here("token_classify", *common, "--per_device_train_batch_size", "8", "--output_dir", str(outs["one"]))
+    for launcher in ("accelerate", "torchrun"):
+        run(launch_cmd(launcher, *common, "--per_device_train_batch_size", "4", "--output_dir",
+                       str(outs[f"{launcher}_2"]), script=RECIPE))
+    reference = log_history(outs["one"])
     assert [read_results(out)["world_size"] for out in outs.values()] == [1, 2, 2]
     assert [h["step"] for h in reference] == list(range(1, 10))
     for name in ("accelerate_2", "torchrun_2"):
         assert_same_steps(log_history(outs[name]), reference)
-        assert_weights_match_a_parity_run(outs["accelerate_1"], outs[name])
-        results, expected = read_results(outs[name]), read_results(outs["accelerate_1"])
+        assert_weights_match_a_parity_run(outs["one"], outs[name])
+        results, expected = read_results(outs[name]), read_results(outs["one"])
         for key in ("eval_precision", "eval_recall", "eval_f1", "eval_accuracy"):
             assert results[key] == expected[key]
         assert results["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
-        assert read_predictions(outs[name]) == read_predictions(outs["accelerate_1"])
+        assert read_predictions(outs[name]) == read_predictions(outs["one"])
 
 
 def test_conll_files_train_and_cut_words_are_predicted_o(tiny_bert, tmp_path):
