@@ -52,12 +52,12 @@ from transformers import (  # noqa: E402
     get_linear_schedule_with_warmup,
 )
 
-from finetune.batching import GlobalBatchSampler  # noqa: E402
 from finetune.config import TrainConfig  # noqa: E402
-from finetune.default_tagged_tickets import make_tagged_tickets  # noqa: E402
-from finetune.models import default_model_path, optimizer_param_groups  # noqa: E402
-from finetune.prepared_data import Tokenizing, load_or_build  # noqa: E402
-from finetune.tagging import align_labels, encode_tags, entity_scores, first_pieces  # noqa: E402
+from finetune.data.batching import GlobalBatchSampler  # noqa: E402
+from finetune.data.cache import Tokenizing, load_or_build  # noqa: E402
+from finetune.data.embedded.tagged_tickets import make_tagged_tickets  # noqa: E402
+from finetune.models.loading import default_model_path, optimizer_param_groups  # noqa: E402
+from finetune.tasks.tagging import align_labels, encode_tags, entity_scores, first_pieces  # noqa: E402
 
 RECIPE = TrainConfig()  # the recipes' shared defaults, which every configuration uses
 BATCH_SIZE, LEARNING_RATE = RECIPE.per_device_train_batch_size, RECIPE.learning_rate
@@ -160,7 +160,7 @@ def loop_dpo(train_jsonl: str, batch_size: int | None, device, bf16) -> None:
     trained by a hand-written loop with the recipe's optimizer and learning rate on DPO's loss: the replies'
     log-probabilities summed by the recipe's library (``pair_log_probs``), the reference's with the adapters
     switched off, the mean over the batch's pairs of -log sigmoid(beta x (policy - reference) margin)."""
-    from finetune.preference import pair_log_probs
+    from finetune.tasks.preference import pair_log_probs
 
     recipe = recipe_module("dpo")
     task, setup, cfg = recipe_setup(recipe, recipe.DPOArguments, recipe.DPOTask,
@@ -228,7 +228,7 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    from finetune.models import default_chat_model_path
+    from finetune.models.loading import default_chat_model_path
 
     recipe = recipe_module("sft")
     defaults, lora_defaults = recipe.DEFAULTS, recipe.SFTArguments()
@@ -271,7 +271,7 @@ def trl_dpo(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
     from peft import LoraConfig
     from trl import DPOConfig, DPOTrainer
 
-    from finetune.models import default_chat_model_path
+    from finetune.models.loading import default_chat_model_path
 
     recipe = recipe_module("dpo")
     defaults, options = recipe.DEFAULTS, recipe.DPOArguments()

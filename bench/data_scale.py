@@ -43,7 +43,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
-from finetune.checkpoint import read_progress, write_manifest, write_progress  # noqa: E402
+from finetune.checkpointing.checkpoint import read_progress, write_manifest, write_progress  # noqa: E402
 
 WORDS = ("refund order parcel login password charge card tracking error crash app update invoice billing "
          "account delivery courier address screen payment subscription renew cancel reset email phone code "
@@ -160,7 +160,7 @@ def built_seconds(output: str) -> float:
 PEER = {
     "classify": """
 import sys, time, datasets, transformers
-from finetune.models import default_model_path
+from finetune.models.loading import default_model_path
 tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_path())
 start = time.perf_counter()
 raw = datasets.load_dataset("csv", data_files=sys.argv[1], split="train")
@@ -170,7 +170,7 @@ print(time.perf_counter() - start)
 """,
     "sft": """
 import sys, time, datasets, transformers
-from finetune.models import default_chat_model_path
+from finetune.models.loading import default_chat_model_path
 tokenizer = transformers.AutoTokenizer.from_pretrained(default_chat_model_path())
 def encode(batch):
     texts = [tokenizer.apply_chat_template(m, tokenize=False) for m in batch["messages"]]
@@ -197,8 +197,8 @@ def open_and_plan(folder: Path, processes: int = 2) -> list[dict]:
 import json, sys, time
 from pathlib import Path
 start = time.perf_counter()
-from finetune.batching import GlobalBatchSampler, TokenizedDataset
-from finetune.prepared_data import _open
+from finetune.data.batching import GlobalBatchSampler, TokenizedDataset
+from finetune.data.cache import _open
 imported = time.perf_counter()
 train = TokenizedDataset(_open(Path(sys.argv[1])).train)
 opened = time.perf_counter()

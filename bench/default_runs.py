@@ -24,10 +24,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from finetune.default_dataset import make_support_tickets  # noqa: E402
-from finetune.default_tagged_tickets import TAG_NAMES, make_tagged_tickets  # noqa: E402
-from finetune.metrics import load_metric  # noqa: E402
-from finetune.tagging import entities  # noqa: E402
+from finetune.data.embedded.support_tickets import make_support_tickets  # noqa: E402
+from finetune.data.embedded.tagged_tickets import TAG_NAMES, make_tagged_tickets  # noqa: E402
+from finetune.tasks.metrics import load_metric  # noqa: E402
+from finetune.tasks.tagging import entities  # noqa: E402
 
 RUNS = {"classify": ("classify", []), "token_classify": ("token_classify", []),
         "token_classify_label_all_tokens": ("token_classify", ["--label_all_tokens"])}

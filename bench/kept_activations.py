@@ -6,7 +6,7 @@ SmolLM2-135M-Instruct with LoRA (r 16 on every linear layer), one forward pass o
 of 512 tokens (the last 162 of each trained, as in the memory comparison of bench/run.py --suite sft): the bytes
 of every tensor autograd keeps for the backward pass (each storage once, the weights not counted), counted with
 ``torch.autograd.graph.saved_tensors_hooks``. The three ways: peft's own layers with dropout 0.05, the package's
-(``finetune.lora.add_lora``, whose ``DropoutLinear`` keeps the dropout's mask instead of a dropped copy), and no
+(``finetune.models.lora.add_lora``, whose ``DropoutLinear`` keeps the dropout's mask instead of a dropped copy), and no
 dropout. The count is exact and the same on every run, unlike resident memory, which the C allocator blurs.
 """
 
@@ -22,9 +22,9 @@ import torch
 import transformers
 from peft import LoraConfig, get_peft_model
 
-from finetune.causal_lm import label_log_probs
-from finetune.lora import add_lora
-from finetune.models import default_chat_model_path
+from finetune.models.loading import default_chat_model_path
+from finetune.models.lora import add_lora
+from finetune.tasks.causal_lm import label_log_probs
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS, TOKENS, TRAINED = 8, 512, 162

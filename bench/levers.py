@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding  # noqa: E402
 
-from finetune.default_dataset import make_support_tickets  # noqa: E402
-from finetune.models import default_model_path  # noqa: E402
+from finetune.data.embedded.support_tickets import make_support_tickets  # noqa: E402
+from finetune.models.loading import default_model_path  # noqa: E402
 
 ROUNDS = 7
 RESULTS = Path(__file__).resolve().parent / "results" / "levers"

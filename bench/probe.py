@@ -132,8 +132,8 @@ def _count_recipe_batches() -> None:
         DataCollatorWithPadding,
     )
 
-    from finetune.batching import PlannedBatch, TokenizedDataset
-    from finetune.preference import PairCollator
+    from finetune.data.batching import PlannedBatch, TokenizedDataset
+    from finetune.tasks.preference import PairCollator
 
     planned_real: list[int | None] = [None]
     original_fetch = TokenizedDataset.__getitems__

@@ -60,8 +60,8 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
-from finetune.default_dataset import make_support_tickets  # noqa: E402
-from finetune.models import default_model_path  # noqa: E402
+from finetune.data.embedded.support_tickets import make_support_tickets  # noqa: E402
+from finetune.models.loading import default_model_path  # noqa: E402
 
 HUB_TOKEN = "hf_benchmarkToken"
 GPU_BF16_PEAK = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -248,7 +248,7 @@ def write_data(folder: Path, train_examples: int, eval_examples: int) -> tuple[P
 def write_chat_data(folder: Path, train_examples: int, eval_examples: int) -> tuple[Path, Path]:
     """The chat recipe's embedded conversations, as jsonl files both sides read: the first ``train_examples``,
     or all 160 repeated in order as often as it takes (a GPU's batches need more than 160)."""
-    from finetune.default_chat import make_support_conversations
+    from finetune.data.embedded.support_chats import make_support_conversations
 
     conversations = make_support_conversations()
     paths = []
@@ -264,7 +264,7 @@ def write_pair_data(folder: Path, train_examples: int, eval_examples: int) -> tu
     """The preference recipe's embedded pairs as jsonl files both sides read (prompt, chosen and rejected message
     lists): the first ``train_examples`` of its 120 training pairs, repeated in order as often as it takes, and the
     first ``eval_examples`` validation pairs."""
-    from finetune.default_preferences import make_preference_pairs
+    from finetune.data.embedded.preference_pairs import make_preference_pairs
 
     pairs = make_preference_pairs()
     paths = []
@@ -280,7 +280,7 @@ def long_chats(first: int, count: int) -> list[list[dict]]:
     """Chats longer than ``LONG_CHAT_TOKENS`` (518 to 612 tokens, prompts of 301 to 354): the system turn, then 14
     of the embedded conversations' tickets as one user turn and their replies as one reply; the ``first`` of them
     onwards."""
-    from finetune.default_chat import make_support_conversations
+    from finetune.data.embedded.support_chats import make_support_conversations
 
     conversations = make_support_conversations()["train"]["messages"]
     chats = []
@@ -425,9 +425,9 @@ def training_flops(suite: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if suite in ("sft", "dpo"):
-        from finetune.causal_lm import ChatModelArguments
-        from finetune.lora import add_lora
-        from finetune.models import default_chat_model_path
+        from finetune.models.loading import default_chat_model_path
+        from finetune.models.lora import add_lora
+        from finetune.tasks.causal_lm import ChatModelArguments
 
         lora = ChatModelArguments()  # every chat recipe's LoRA options
         with torch.device("meta"):

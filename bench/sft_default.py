@@ -26,7 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from finetune.prepared_data import load_or_build  # noqa: E402
+from finetune.data.cache import load_or_build  # noqa: E402
 
 
 def recipe_metrics(recipe_name: str, arguments: str, task_class: str, flags: list[str]) -> dict:
@@ -65,7 +65,7 @@ def main(results_file: Path) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         os.environ["HF_HOME"] = f"{scratch}/hf-home"  # nothing converted yet, as on a fresh machine
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "from finetune.models import default_chat_model_path as p; p()"],
+        subprocess.run([sys.executable, "-c", "from finetune.models.loading import default_chat_model_path as p; p()"],
                        cwd=REPO, check=True)
         conversion = time.perf_counter() - start
         base = recipe_metrics("sft", "SFTArguments", "SFTTask", ["--no_use_lora"])

@@ -9,9 +9,9 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-from finetune.ddp import all_reduce_sum, destroy_distributed, init_distributed, save_unwrapped, wrap_model
-from finetune.default_dataset import LABEL_NAMES, make_support_tickets
-from finetune.models import default_model_path
+from finetune.data.embedded.support_tickets import LABEL_NAMES, make_support_tickets
+from finetune.distributed.ddp import all_reduce_sum, destroy_distributed, init_distributed, save_unwrapped, wrap_model
+from finetune.models.loading import default_model_path
 
 info = init_distributed()  # nccl on GPU, gloo on CPU; rank and LOCAL_RANK from torchrun
 try:

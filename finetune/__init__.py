@@ -1,10 +1,11 @@
 """Fine-tune Hugging Face transformers on one process or many, under Accelerate or raw torch DDP.
 
-The modules, each named for what it holds: ``config`` (options, YAML and command line), ``task`` (what a
-recipe plugs in), ``loop`` (the shared training loop), ``batching`` (the global-batch plan), ``data``,
-``checkpoint``, ``runtime`` with ``accelerate_runtime`` and ``ddp_runtime``, ``ddp`` (the raw
-torch.distributed layer, usable on its own), ``hub``. Importing the package itself loads none of them, so a
-recipe checks its flags before the loop and its libraries load.
+The core, here: ``errors`` (the one-line refusals and the entry point), ``environment`` (what the launcher set),
+``config`` (options, YAML and command line), ``task`` (what a recipe plugs in), ``loop`` (the shared training loop)
+and ``recipe`` (a recipe's command line around it). The rooms, each a sub-package that says what it may import,
+from the top down: ``runtimes`` and ``tasks``; ``models``, ``hub`` and ``observability``; ``distributed`` and
+``data``; ``checkpointing``. Importing the package loads none of them, so a recipe checks its flags before the loop
+and its libraries load.
 """
 
 __version__ = "0.1.0"

@@ -26,8 +26,7 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import get_scheduler, set_seed
 
-from finetune.batching import GlobalBatchSampler
-from finetune.checkpoint import (
+from finetune.checkpointing.checkpoint import (
     LOG_HISTORY,
     Progress,
     check_output_dir,
@@ -44,17 +43,18 @@ from finetune.checkpoint import (
     resumed_progress,
     write_final_model,
 )
+from finetune.checkpointing.preemption import StopSignals
 from finetune.config import TrainConfig
-from finetune.ddp import pad_second_dim
+from finetune.data.batching import GlobalBatchSampler
+from finetune.data.cache import load_or_build
+from finetune.distributed.ddp import pad_second_dim
 from finetune.environment import LaunchEnvironment
 from finetune.errors import Stopped, UserError
-from finetune.hub import HubPusher, download_last_checkpoint, model_card
-from finetune.launcher import make_runtime
-from finetune.metering import TrainingMeter
-from finetune.models import optimizer_param_groups
-from finetune.preemption import StopSignals
-from finetune.prepared_data import load_or_build
-from finetune.runtime import Runtime, TrackerSettings
+from finetune.hub.pusher import HubPusher, download_last_checkpoint, model_card
+from finetune.models.loading import optimizer_param_groups
+from finetune.observability.metering import TrainingMeter
+from finetune.runtimes.base import Runtime, TrackerSettings
+from finetune.runtimes.launcher import make_runtime
 from finetune.task import Task
 
 __all__ = ["train"]
@@ -100,7 +100,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                         revision=cfg.hub_revision, strategy=cfg.hub_strategy, timeout=cfg.hub_timeout)
 
         # -- data (tokenized once into a cache every process memory-maps) and model, from the task; training
-        # batches planned globally (see finetune.prepared_data and finetune.batching)
+        # batches planned globally (see finetune.data.cache and finetune.data.batching)
         tokenizer = task.load_tokenizer(cfg)
         data = load_or_build(task, cfg, tokenizer, runtime)
         setup = task.setup(cfg, tokenizer, data)

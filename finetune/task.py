@@ -20,7 +20,7 @@ class TaskSetup:
     unwrapped)."""
 
     train_set: Any
-    """A ``finetune.batching.TokenizedDataset``; its ``loss_units`` say what each example adds to the loss."""
+    """A ``finetune.data.batching.TokenizedDataset``; its ``loss_units`` say what each example adds to the loss."""
     eval_set: Any
     collate: Callable[[list[dict]], dict]
     """Rows to a batch of tensors (padded per batch, or packed)."""
@@ -75,13 +75,13 @@ class Task(Protocol):
 
     def tokenize(self, raw, tokenizer, cfg, tokenizing) -> dict:
         """Tokenize ``raw``'s ``train`` and ``validation`` splits through ``tokenizing.map``
-        (``finetune.prepared_data.Tokenizing``); returns JSON values ``setup`` needs (label names, ...). It runs
+        (``finetune.data.cache.Tokenizing``); returns JSON values ``setup`` needs (label names, ...). It runs
         once per cache key, on one process per node.
 
         Raises ``UserError`` for bad input."""
 
     def setup(self, cfg, tokenizer, data) -> TaskSetup:
-        """The model and the batches' form, for the tokenized ``data`` (``finetune.prepared_data.PreparedData``)."""
+        """The model and the batches' form, for the tokenized ``data`` (``finetune.data.cache.PreparedData``)."""
 
     def loss(self, model, batch: dict) -> Any:
         """The batch's loss summed over its loss units (a scalar tensor); the loop normalises it. A task with

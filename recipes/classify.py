@@ -20,16 +20,16 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from finetune.batching import TokenizedDataset
-from finetune.checkpoint import save_model
-from finetune.classification import encode_labels, tokenize_texts
+from finetune.checkpointing.checkpoint import save_model
 from finetune.config import arg, parse_config
-from finetune.data import check_columns, load_splits
-from finetune.default_dataset import make_support_tickets
+from finetune.data.batching import TokenizedDataset
+from finetune.data.embedded.support_tickets import make_support_tickets
+from finetune.data.sources import check_columns, load_splits
 from finetune.errors import run_main
-from finetune.metrics import classification_metrics
-from finetune.models import default_model_path, from_pretrained
+from finetune.models.loading import default_model_path, from_pretrained
 from finetune.task import ModelCardInfo, TaskSetup
+from finetune.tasks.classification import encode_labels, tokenize_texts
+from finetune.tasks.metrics import classification_metrics
 
 
 @dataclass
@@ -45,7 +45,8 @@ class ClassifyTask:
         pipeline_tag="text-classification", what="text classification",
         default_base_model="sentence-transformers/all-MiniLM-L6-v2",
         usage='from transformers import pipeline\nclassify = pipeline("text-classification", model="{repo_id}")')
-    tokenizing_code = ("finetune.classification", "finetune.data", "finetune.default_dataset")
+    tokenizing_code = ("finetune.tasks.classification", "finetune.data.sources",
+                       "finetune.data.embedded.support_tickets")
 
     def __init__(self, args: ClassifyArguments):
         self.args = args

@@ -18,17 +18,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune import causal_lm, preference
-from finetune.batching import TokenizedDataset
-from finetune.chat import write_generations
 from finetune.config import arg, parse_config
-from finetune.data import load_splits
-from finetune.default_chat import routing_accuracy
-from finetune.default_preferences import make_preference_pairs
+from finetune.data.batching import TokenizedDataset
+from finetune.data.embedded.preference_pairs import make_preference_pairs
+from finetune.data.embedded.support_chats import routing_accuracy
+from finetune.data.sources import load_splits
 from finetune.errors import run_main
-from finetune.lora import add_lora
-from finetune.models import default_chat_model_path
+from finetune.models.loading import default_chat_model_path
+from finetune.models.lora import add_lora
 from finetune.task import TaskSetup
+from finetune.tasks import causal_lm, preference
+from finetune.tasks.chat import write_generations
 
 DEFAULT_DATA = "support preference pairs (embedded default)"
 DEFAULTS = {"output_dir": "outputs/dpo", "num_train_epochs": 1, "learning_rate": 1e-3, "per_device_train_batch_size": 8,
@@ -59,8 +59,9 @@ class DPOArguments(causal_lm.ChatModelArguments):
 
 class DPOTask:
     name = "dpo"
-    tokenizing_code = ("finetune.preference", "finetune.chat", "finetune.data", "finetune.default_preferences",
-                       "finetune.default_chat", "finetune.default_dataset")
+    tokenizing_code = ("finetune.tasks.preference", "finetune.tasks.chat", "finetune.data.sources",
+                       "finetune.data.embedded.preference_pairs", "finetune.data.embedded.support_chats",
+                       "finetune.data.embedded.support_tickets")
     logged_figures = ("rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
                       "logps_rejected")
     run_files = (REFERENCE_FILE,)

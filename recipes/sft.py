@@ -19,8 +19,15 @@ from dataclasses import dataclass
 
 import transformers
 
-from finetune.batching import TokenizedDataset
-from finetune.causal_lm import (
+from finetune.config import arg, parse_config
+from finetune.data.batching import TokenizedDataset
+from finetune.data.embedded.support_chats import make_support_conversations, routing_accuracy
+from finetune.data.sources import load_splits
+from finetune.errors import run_main
+from finetune.models.loading import default_chat_model_path, from_pretrained
+from finetune.models.lora import add_lora
+from finetune.task import TaskSetup
+from finetune.tasks.causal_lm import (
     ChatModelArguments,
     chat_model_card,
     check_output_layer,
@@ -32,14 +39,7 @@ from finetune.causal_lm import (
     save_chat_model,
     summed_log_probs,
 )
-from finetune.chat import tokenize_conversations, write_generations
-from finetune.config import arg, parse_config
-from finetune.data import load_splits
-from finetune.default_chat import make_support_conversations, routing_accuracy
-from finetune.errors import run_main
-from finetune.lora import add_lora
-from finetune.models import default_chat_model_path, from_pretrained
-from finetune.task import TaskSetup
+from finetune.tasks.chat import tokenize_conversations, write_generations
 
 DEFAULT_DATA = "support conversations (embedded default)"
 DEFAULTS = {"output_dir": "outputs/sft", "num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 8,
@@ -57,7 +57,8 @@ class SFTArguments(ChatModelArguments):
 
 class SFTTask:
     name = "sft"
-    tokenizing_code = ("finetune.chat", "finetune.data", "finetune.default_chat", "finetune.default_dataset")
+    tokenizing_code = ("finetune.tasks.chat", "finetune.data.sources", "finetune.data.embedded.support_chats",
+                       "finetune.data.embedded.support_tickets")
 
     def __init__(self, args: SFTArguments):
         self.args = args

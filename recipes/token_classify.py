@@ -20,16 +20,16 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from finetune.batching import TokenizedDataset
-from finetune.checkpoint import save_model
+from finetune.checkpointing.checkpoint import save_model
 from finetune.config import arg, parse_config
-from finetune.data import check_columns, load_splits
-from finetune.default_tagged_tickets import make_tagged_tickets
+from finetune.data.batching import TokenizedDataset
+from finetune.data.embedded.tagged_tickets import make_tagged_tickets
+from finetune.data.sources import check_columns, load_splits
 from finetune.errors import run_main
-from finetune.metrics import load_metric
-from finetune.models import default_model_path, from_pretrained
-from finetune.tagging import IGNORE, align_labels, count_cut, encode_tags, first_pieces, read_conll
+from finetune.models.loading import default_model_path, from_pretrained
 from finetune.task import ModelCardInfo, TaskSetup
+from finetune.tasks.metrics import load_metric
+from finetune.tasks.tagging import IGNORE, align_labels, count_cut, encode_tags, first_pieces, read_conll
 
 
 @dataclass
@@ -49,7 +49,7 @@ class TokenClassifyTask:
         default_base_model="sentence-transformers/all-MiniLM-L6-v2",
         usage='from transformers import pipeline\n'
               'tag = pipeline("token-classification", model="{repo_id}", aggregation_strategy="simple")')
-    tokenizing_code = ("finetune.tagging", "finetune.data", "finetune.default_tagged_tickets")
+    tokenizing_code = ("finetune.tasks.tagging", "finetune.data.sources", "finetune.data.embedded.tagged_tickets")
 
     def __init__(self, args: TokenClassifyArguments):
         self.args = args

@@ -51,7 +51,7 @@ def hub(tmp_path):
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory) -> dict[str, Path]:
     """Support-ticket rows with string labels: 42 for training, 23 (a prime) for evaluation."""
-    from finetune.default_dataset import LABEL_NAMES, make_support_tickets
+    from finetune.data.embedded.support_tickets import LABEL_NAMES, make_support_tickets
 
     folder = tmp_path_factory.mktemp("data")
     dataset = make_support_tickets()
@@ -107,7 +107,7 @@ def chat_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer and chat template."""
     from transformers import AutoTokenizer
 
-    from finetune.models import default_chat_model_path
+    from finetune.models.loading import default_chat_model_path
 
     return AutoTokenizer.from_pretrained(default_chat_model_path())
 

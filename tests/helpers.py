@@ -118,7 +118,7 @@ def tokenizing(tmp_path: Path):
     """A fresh ``Tokenizing`` writing under ``tmp_path``, for tokenizing a split in a test."""
     import tempfile
 
-    from finetune.prepared_data import Tokenizing
+    from finetune.data.cache import Tokenizing
 
     return Tokenizing(Path(tempfile.mkdtemp(dir=tmp_path)), workers=None)
 
@@ -410,7 +410,7 @@ def save_tiny_bert(folder: Path, dropout: bool) -> Path:
     import torch
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    from finetune.models import default_model_path
+    from finetune.models.loading import default_model_path
 
     config = AutoConfig.from_pretrained(default_model_path())
     config.update({"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64})
@@ -444,7 +444,7 @@ def padded_batch(lengths=(11, 4, 8, 12, 6), prompt=3) -> dict:
     labelled."""
     import torch
 
-    from finetune.chat import IGNORE
+    from finetune.tasks.chat import IGNORE
 
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(1, VOCAB, (len(lengths), max(lengths)), generator=generator)

@@ -4,8 +4,8 @@ from collections import Counter
 import pytest
 import torch
 
-from finetune.batching import GlobalBatchSampler
-from finetune.default_dataset import LABEL_NAMES, make_support_tickets
+from finetune.data.batching import GlobalBatchSampler
+from finetune.data.embedded.support_tickets import LABEL_NAMES, make_support_tickets
 
 
 def lengths_with_a_long_tail(count=203, seed=0):

@@ -7,7 +7,9 @@ import torch
 from helpers import VOCAB, padded_batch, tiny_causal_lm
 from transformers import CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig
 
-from finetune.causal_lm import (
+from finetune.errors import UserError
+from finetune.models.lora import add_lora
+from finetune.tasks.causal_lm import (
     check_output_layer,
     greedy_replies,
     label_log_probs,
@@ -15,9 +17,7 @@ from finetune.causal_lm import (
     split_by_tokens,
     summed_log_probs,
 )
-from finetune.chat import IGNORE
-from finetune.errors import UserError
-from finetune.lora import add_lora
+from finetune.tasks.chat import IGNORE
 
 
 def whole_batch_log_probs(model, batch: dict) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from helpers import snapshot
 from safetensors.torch import save_file
 
-from finetune.checkpoint import (
+from finetune.checkpointing.checkpoint import (
     Progress,
     check_output_dir,
     check_unwrapped,

@@ -1,9 +1,9 @@
 import pytest
 
-from finetune.classification import encode_labels
-from finetune.data import load_splits
-from finetune.default_dataset import make_support_tickets
+from finetune.data.embedded.support_tickets import make_support_tickets
+from finetune.data.sources import load_splits
 from finetune.errors import UserError
+from finetune.tasks.classification import encode_labels
 
 
 def load(train, validation):

@@ -23,7 +23,7 @@ from helpers import (
 )
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from finetune.default_dataset import LABEL_NAMES, make_support_tickets
+from finetune.data.embedded.support_tickets import LABEL_NAMES, make_support_tickets
 
 RESULT_KEYS = {"eval_accuracy", "eval_f1", "eval_loss", "train_loss", "train_runtime", "train_samples_per_second",
                "epoch", "global_step", "runtime", "world_size"}

@@ -123,7 +123,7 @@ def test_a_mistake_in_the_flags_comes_back_before_the_loop_and_its_libraries_loa
     """A recipe imports torch, transformers and datasets (its task needs them); the loop, the runtimes and what only
     they need (accelerate, peft, evaluate with scikit-learn and scipy: seconds of imports) load once the flags
     are good."""
-    deferred = ("accelerate", "peft", "evaluate", "sklearn", "scipy", "finetune.loop", "finetune.runtime",
+    deferred = ("accelerate", "peft", "evaluate", "sklearn", "scipy", "finetune.loop", "finetune.runtimes.base",
                 "transformers.modeling_utils")
     probe = ("import runpy, sys\n"
              "sys.argv = ['recipes/classify.py', '--train_file', 'nope.csv']\n"

@@ -30,9 +30,9 @@ from helpers import (
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune.batching import TokenizedDataset
-from finetune.default_preferences import make_preference_pairs
-from finetune.preference import PairCollator, load_causal_lm, pair_log_probs, tokenize_pairs
+from finetune.data.batching import TokenizedDataset
+from finetune.data.embedded.preference_pairs import make_preference_pairs
+from finetune.tasks.preference import PairCollator, load_causal_lm, pair_log_probs, tokenize_pairs
 
 METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
            "logps_rejected")

@@ -29,7 +29,7 @@ from helpers import (
     workers,
 )
 
-from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
+from finetune.checkpointing.checkpoint import find_latest_checkpoint, verify_checkpoint
 
 
 def training_flags(small_data, model, out) -> list[str]:
@@ -196,7 +196,7 @@ def test_a_restart_before_overwrite_output_dir_acts_never_resumes_the_run_being_
         parity_runs, small_data, tiny_bert_without_dropout, tmp_path):
     """A fresh run with --overwrite_output_dir into a folder with another run's checkpoint dies before it has
     removed it (its worker killed as it starts); torchrun restarts it, and it starts fresh again."""
-    from finetune.checkpoint import read_progress
+    from finetune.checkpointing.checkpoint import read_progress
 
     out = tmp_path / "out"
     replaced = out / "checkpoints" / "step_4"

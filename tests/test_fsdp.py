@@ -30,8 +30,8 @@ from helpers import (
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from finetune.checkpoint import verify_checkpoint
-from finetune.default_chat import make_support_conversations
+from finetune.checkpointing.checkpoint import verify_checkpoint
+from finetune.data.embedded.support_chats import make_support_conversations
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_a_sharded_checkpoint_whose_metadata_would_run_code_is_refused_unread(tm
     import os
     import pickle
 
-    from finetune.fsdp import MODEL_FOLDER, OPTIMIZER_FOLDER, sharded_shapes
+    from finetune.distributed.fsdp import MODEL_FOLDER, OPTIMIZER_FOLDER, sharded_shapes
 
     class RunsCode:
         def __reduce__(self):
@@ -210,7 +210,7 @@ def test_a_sharded_checkpoint_whose_metadata_would_run_code_is_refused_unread(tm
 def test_fsdp_under_accelerate_launch_without_its_fsdp_config_is_refused(monkeypatch, tmp_path):
     from finetune.config import TrainConfig
     from finetune.errors import UserError
-    from finetune.launcher import make_runtime
+    from finetune.runtimes.launcher import make_runtime
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # what accelerate launch sets, with no FSDP config
     with pytest.raises(UserError, match="under accelerate launch, pass --config_file accelerate_configs/fsdp.yaml"):

@@ -16,7 +16,7 @@ import torch
 from helpers import REPO, free_port, max_weight_diff, read_results, run
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from finetune.checkpoint import verify_checkpoint
+from finetune.checkpointing.checkpoint import verify_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +35,7 @@ def needs_cuda():
 @pytest.fixture(scope="module")
 def no_dropout_model(tmp_path_factory) -> Path:
     """The default MiniLM with dropout off, for comparisons that must not depend on dropout masks."""
-    from finetune.models import default_model_path
+    from finetune.models.loading import default_model_path
 
     folder = tmp_path_factory.mktemp("minilm_no_dropout")
     shutil.copytree(default_model_path(), folder, dirs_exist_ok=True)
@@ -78,7 +78,7 @@ def test_raw_ddp_trains_two_processes_over_nccl(tmp_path):
 def load_and_predict(folder) -> tuple[list[str], float]:
     """The saved classifier, loaded in this process alone (no key missing or unexpected): its predicted label for
     each example of the embedded validation set, in order, and its mean loss there."""
-    from finetune.default_dataset import LABEL_NAMES, make_support_tickets
+    from finetune.data.embedded.support_tickets import LABEL_NAMES, make_support_tickets
 
     model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
@@ -171,8 +171,8 @@ def test_a_packed_batch_on_the_gpu_gives_each_token_the_loss_it_has_alone():
     it is not. A tiny Llama drawn with wide weights, so that attention across examples changes losses by far."""
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig
 
-    from finetune.causal_lm import label_log_probs, language_model_collators
-    from finetune.chat import IGNORE
+    from finetune.tasks.causal_lm import label_log_probs, language_model_collators
+    from finetune.tasks.chat import IGNORE
 
     collate, _, packed, flash = language_model_collators(None, packing=True)  # the packed collator needs no tokenizer
     assert packed

@@ -228,7 +228,7 @@ def test_the_uploader_process_commits_in_order_at_low_priority_and_ends_with_its
     stage.mkdir(parents=True)
     older = tmp_path / ".hub_staging" / "step_2"  # a failed push's copy, superseded by this one
     older.mkdir()
-    uploader = subprocess.Popen([sys.executable, "finetune/hub_uploader.py", "alice/uploads", "60"], text=True,
+    uploader = subprocess.Popen([sys.executable, "finetune/hub/uploader.py", "alice/uploads", "60"], text=True,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 env={**os.environ, **hub.env, "HF_TOKEN": TOKEN})
     jobs = [{"push": 1, "message": "first", "files": [["a.txt", str(tmp_path / "a.txt")]], "stage": str(stage),
@@ -257,7 +257,7 @@ def test_the_uploader_process_commits_in_order_at_low_priority_and_ends_with_its
 @pytest.mark.parametrize("spelling", [["--hub_token", TOKEN], [f"--hub_token={TOKEN}"], [f"--hub-token={TOKEN}"],
                                       ["--hub-token", TOKEN], ["--hub_tok", TOKEN], [f"--hub_tok={TOKEN}"]])
 def test_the_model_card_never_shows_the_token_however_the_flag_was_written(spelling):
-    from finetune.hub import model_card
+    from finetune.hub.pusher import model_card
     from finetune.task import ModelCardInfo
 
     card = model_card(base_model=None, task=ModelCardInfo("text-classification", "text classification", "use it",
@@ -268,7 +268,7 @@ def test_the_model_card_never_shows_the_token_however_the_flag_was_written(spell
 
 
 def test_hidden_files_symbolic_links_and_what_they_lead_to_are_never_pushed(tmp_path):
-    from finetune.hub import _files
+    from finetune.hub.pusher import _files
 
     folder, outside = tmp_path / "checkpoint", tmp_path / "outside"
     for name in ("checkpoint/model.safetensors", "checkpoint/sub/config.json", "checkpoint/.env",
@@ -319,7 +319,7 @@ class Saves:
 
 def test_the_uploader_leads_its_own_low_priority_session_and_a_dead_one_is_reported_once(hub, tmp_path, capfd,
                                                                                         monkeypatch):
-    from finetune.hub import HubPusher
+    from finetune.hub.pusher import HubPusher
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)
@@ -355,8 +355,8 @@ def test_a_sharded_checkpoint_goes_whole_to_last_checkpoint_and_resumes_from_the
                                                                                    monkeypatch):
     """An FSDP checkpoint holds shards and torch.distributed.checkpoint's hidden .metadata, no model that loads:
     every_save pushes nothing of it (saying so once), checkpoint pushes all of it, and what comes back verifies."""
-    from finetune.checkpoint import Progress, write_manifest
-    from finetune.hub import HubPusher
+    from finetune.checkpointing.checkpoint import Progress, write_manifest
+    from finetune.hub.pusher import HubPusher
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)
@@ -383,8 +383,9 @@ def test_a_sharded_checkpoint_goes_whole_to_last_checkpoint_and_resumes_from_the
     assert sorted(pushed) == sorted(f"last-checkpoint/{p.relative_to(folder).as_posix()}"
                                     for p in folder.rglob("*") if p.is_file())
     # As a resume fetches it (--resume_from_checkpoint hub:...), in a process of its own.
-    fetch = ("import sys; from finetune.checkpoint import verify_checkpoint; from finetune.hub import "
-             "download_last_checkpoint as fetch; folder = fetch(sys.argv[1], None, sys.argv[2]); "
+    fetch = ("import sys; from finetune.checkpointing.checkpoint import verify_checkpoint; "
+             "from finetune.hub.pusher import download_last_checkpoint as fetch; "
+             "folder = fetch(sys.argv[1], None, sys.argv[2]); "
              "verify_checkpoint(folder); print(folder)")
     downloaded = Path(run([sys.executable, "-c", fetch, "hub:alice/sharded-checkpoint", TOKEN], env=hub.env)
                       .stdout.strip())
@@ -404,7 +405,7 @@ def test_a_queued_checkpoint_push_is_skipped_for_a_newer_one(hub, tmp_path, monk
             (tmp_path / ".hub_staging" / stage).mkdir(parents=True)
         jobs.append({"push": push, "message": f"push {push}", "files": [[f"{push}.txt", str(tmp_path / f"{push}.txt")]],
                      "stage": str(tmp_path / ".hub_staging" / stage) if stage else None, "saved_at": time.time()})
-    uploader = subprocess.Popen([sys.executable, "finetune/hub_uploader.py", "alice/lagging", "60"], text=True,
+    uploader = subprocess.Popen([sys.executable, "finetune/hub/uploader.py", "alice/lagging", "60"], text=True,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 env={**os.environ, **hub.env, "HF_TOKEN": TOKEN})
     uploader.stdin.write(json.dumps(jobs[0]) + "\n")
@@ -422,7 +423,7 @@ def test_queuing_pushes_never_waits_for_an_uploader_that_stopped_reading(hub, tm
     """200 push jobs of 100 kB each, far more than a pipe holds, queued while the uploader is stopped."""
     script = """
 import os, signal, sys, time
-from finetune.hub import HubPusher
+from finetune.hub.pusher import HubPusher
 pusher = HubPusher(enabled=True, output_dir=sys.argv[1], repo_id="alice/stopped", token=sys.argv[2], private=False,
                    revision=None, strategy="every_save", timeout=5)
 os.kill(pusher._uploader.pid, signal.SIGSTOP)
@@ -442,8 +443,8 @@ print(len([s for s in pusher.finish() if "error" in s]), "unfinished", flush=Tru
 def test_a_checkpoint_push_deletes_what_the_last_checkpoint_held_and_its_own_does_not(hub, tmp_path, monkeypatch):
     """A 2-process run pushes last-checkpoint/ with two processes' RNG states, a 1-process resume pushes its own
     with one: in the same commit, the other goes, so the checkpoint that comes back verifies."""
-    from finetune.checkpoint import Progress, write_manifest
-    from finetune.hub import HubPusher
+    from finetune.checkpointing.checkpoint import Progress, write_manifest
+    from finetune.hub.pusher import HubPusher
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)
@@ -466,15 +467,16 @@ def test_a_checkpoint_push_deletes_what_the_last_checkpoint_held_and_its_own_doe
     assert sorted(files) == ["config.json", "last-checkpoint/manifest.json", "last-checkpoint/model.safetensors",
                              "last-checkpoint/optimizer.bin", "last-checkpoint/progress.json",
                              "last-checkpoint/random_states_0.pkl", "model.safetensors", "tokenizer.json"]
-    fetch = ("import sys; from finetune.checkpoint import verify_checkpoint; from finetune.hub import "
-             "download_last_checkpoint as fetch; verify_checkpoint(fetch(sys.argv[1], None, sys.argv[2]))")
+    fetch = ("import sys; from finetune.checkpointing.checkpoint import verify_checkpoint; "
+             "from finetune.hub.pusher import download_last_checkpoint as fetch; "
+             "verify_checkpoint(fetch(sys.argv[1], None, sys.argv[2]))")
     run([sys.executable, "-c", fetch, "hub:alice/resumed", TOKEN], env=hub.env)
 
 
 def test_the_final_push_sends_the_files_as_saved_even_if_a_later_run_replaces_them(hub, tmp_path, monkeypatch):
     """A push left to the uploader after a stop outlives its run and the lock on the folder; a later run there
     then swaps in its own model (a rename, as the final save does) while the push waits for the Hub."""
-    from finetune.hub import HubPusher
+    from finetune.hub.pusher import HubPusher
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", hub.url)

@@ -6,8 +6,8 @@ import torch
 from helpers import TINY_LM_SIZES, load_script, padded_batch, tiny_causal_lm
 from peft import LoraConfig, get_peft_model
 
-from finetune.causal_lm import label_log_probs
-from finetune.lora import DropoutLinear, add_lora
+from finetune.models.lora import DropoutLinear, add_lora
+from finetune.tasks.causal_lm import label_log_probs
 
 
 def adapted(dropout: float, peft_only: bool = False):

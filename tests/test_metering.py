@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from finetune.metering import TrainingMeter
+from finetune.observability.metering import TrainingMeter
 
 
 def test_losses_are_means_over_loss_units_of_every_process_and_totals_span_every_interval():

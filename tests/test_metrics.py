@@ -1,7 +1,7 @@
 import pytest
 from sklearn.metrics import f1_score
 
-from finetune.metrics import classification_metrics, load_metric
+from finetune.tasks.metrics import classification_metrics, load_metric
 
 
 def test_the_package_s_own_modules_compute_sklearn_numbers_and_nothing_is_fetched_even_online(monkeypatch):

@@ -45,6 +45,27 @@ def test_the_import_graph_reads_every_form_of_import(tmp_path):
         "finetune", "finetune.a", "finetune.b", "finetune.c", "finetune.sub", "finetune.sub.e"}
 
 
+LAYERS = {
+    "finetune.loop": 5, "finetune.runtimes": 4, "finetune.tasks": 4, "finetune.models": 3,
+    "finetune.hub": 3, "finetune.observability": 3, "finetune.distributed": 2, "finetune.data": 2,
+    "finetune.checkpointing": 1, "finetune": 0,
+}
+"""Each room's floor: a module imports rooms on lower floors, and modules of its own room (the core, at floor 0:
+errors, environment, config, task)."""
+
+
+def room(module: str) -> str:
+    return next(name for name in LAYERS if module == name or module.startswith(name + "."))
+
+
+def test_every_module_is_in_a_room_and_imports_only_rooms_below_its_own():
+    modules = package_modules()
+    assert {room(name) for name in modules} == set(LAYERS), "every room holds modules, every module is in a room"
+    upward = sorted(f"{name} -> {imported}" for name in modules for imported in imports_of(name, modules)
+                    if room(imported) != room(name) and LAYERS[room(imported)] >= LAYERS[room(name)])
+    assert not upward, upward
+
+
 def test_no_module_of_the_package_imports_itself_through_others():
     modules = package_modules()
     graph = {name: imports_of(name, modules) for name in modules}
@@ -61,8 +82,8 @@ def test_no_module_of_the_package_imports_itself_through_others():
 
 
 def test_the_raw_ddp_layer_loads_neither_accelerate_nor_the_training_loop():
-    probe = ("import sys, finetune.ddp\n"
-             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'accelerate' or m in "
-             "('finetune.config', 'finetune.runtime', 'finetune.loop', 'transformers')))")
+    probe = ("import sys, finetune.distributed.ddp, finetune.distributed.fsdp\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'accelerate' or "
+             "m.startswith('finetune.runtimes') or m in ('finetune.config', 'finetune.loop', 'transformers')))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, check=True)
     assert result.stdout.strip() == "[]"

@@ -25,7 +25,7 @@ from helpers import (
     write_csv,
 )
 
-from finetune.checkpoint import find_latest_checkpoint, verify_checkpoint
+from finetune.checkpointing.checkpoint import find_latest_checkpoint, verify_checkpoint
 from finetune.errors import STOPPED_EXIT_CODE
 
 
@@ -62,7 +62,7 @@ def test_a_stop_during_the_final_evaluation_saves_the_last_step_without_waiting_
         small_data, tiny_bert, tmp_path):
     """The stop is checked before every evaluation batch: 600 evaluation examples one at a time take seconds,
     and a slow evaluation (generation) could outlast the time a scheduler gives before SIGKILL."""
-    from finetune.default_dataset import LABEL_NAMES, make_support_tickets
+    from finetune.data.embedded.support_tickets import LABEL_NAMES, make_support_tickets
 
     validation = write_csv(tmp_path / "validation.csv", [{"text": r["text"], "label": LABEL_NAMES[r["label"]]}
                                                          for r in make_support_tickets()["validation"]])
@@ -99,7 +99,7 @@ def test_a_single_process_stopped_by_ctrl_c_exits_with_the_stopped_status(small_
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_every_process_resumes_from_the_checkpoint_the_main_process_found(tmp_path, launcher):
-    from finetune.checkpoint import Progress, write_progress
+    from finetune.checkpointing.checkpoint import Progress, write_progress
 
     for step in (4, 8):
         folder = tmp_path / "checkpoints" / f"step_{step}"
@@ -115,7 +115,7 @@ def test_a_stop_passed_on_twice_is_one_stop_and_a_second_ctrl_c_later_stops_at_o
     signal twice within milliseconds and must still save. A person pressing Ctrl-C again means now."""
     import os
 
-    from finetune.preemption import SECOND_CTRL_C_AFTER, StopSignals
+    from finetune.checkpointing.preemption import SECOND_CTRL_C_AFTER, StopSignals
 
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     with StopSignals() as stop:
@@ -125,7 +125,8 @@ def test_a_stop_passed_on_twice_is_one_stop_and_a_second_ctrl_c_later_stops_at_o
         assert stop.number == signal.SIGUSR1 and stop.at <= time.time()
     assert {sig: signal.getsignal(sig) for sig in before} == before, "the previous handlers are back"
 
-    script = ("import os, signal, time\nfrom finetune.preemption import StopSignals\nwith StopSignals():\n"
+    script = ("import os, signal, time\nfrom finetune.checkpointing.preemption import StopSignals\n"
+              "with StopSignals():\n"
               "    os.kill(os.getpid(), signal.SIGINT)\n"
               f"    time.sleep({SECOND_CTRL_C_AFTER + 0.2})\n"
               "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\nprint('survived')")

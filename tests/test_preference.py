@@ -13,11 +13,11 @@ from datasets import Dataset
 from helpers import tiny_llama, tokenizing
 from transformers import AutoModelForCausalLM
 
-from finetune.batching import TokenizedDataset
-from finetune.chat import IGNORE
+from finetune.data.batching import TokenizedDataset
 from finetune.errors import UserError
-from finetune.lora import add_lora
-from finetune.preference import (
+from finetune.models.lora import add_lora
+from finetune.tasks.chat import IGNORE
+from finetune.tasks.preference import (
     PairCollator,
     PromptRepliesCollator,
     Reference,

@@ -24,7 +24,7 @@ from helpers import (
     wait_for,
 )
 
-from finetune.checkpoint import Progress, verify_checkpoint, write_manifest, write_progress
+from finetune.checkpointing.checkpoint import Progress, verify_checkpoint, write_manifest, write_progress
 
 
 def test_a_non_finite_loss_stops_the_run_before_anything_from_that_step_is_saved(small_data, tiny_bert, tmp_path):
@@ -180,7 +180,7 @@ def test_a_resume_from_an_earlier_step_of_the_folder_s_own_run_is_refused(small_
 
 @pytest.mark.parametrize("where", ["in the folder", "a copy elsewhere"])
 def test_overwrite_output_dir_removes_the_steps_a_resume_abandons(small_data, tiny_bert, tmp_path, where):
-    from finetune.checkpoint import find_latest_checkpoint, read_progress
+    from finetune.checkpointing.checkpoint import find_latest_checkpoint, read_progress
 
     out = tmp_path / "out"
     flags = classify_flags(small_data, tiny_bert, "--per_device_train_batch_size", "8", "--checkpointing_steps", "1",

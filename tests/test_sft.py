@@ -27,10 +27,10 @@ from helpers import (
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening
 
-from finetune.batching import TokenizedDataset
-from finetune.causal_lm import label_log_probs, language_model_collators
-from finetune.chat import IGNORE, tokenize_conversations
-from finetune.default_chat import make_support_conversations, routed_team
+from finetune.data.batching import TokenizedDataset
+from finetune.data.embedded.support_chats import make_support_conversations, routed_team
+from finetune.tasks.causal_lm import label_log_probs, language_model_collators
+from finetune.tasks.chat import IGNORE, tokenize_conversations
 
 TWO_TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Refund order 42?"},
              {"role": "assistant", "content": "Team: billing\nDone."}, {"role": "user", "content": "Thanks!"},

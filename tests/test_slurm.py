@@ -25,7 +25,7 @@ from helpers import (
     wait_for,
 )
 
-from finetune.checkpoint import checkpoint_path, find_latest_checkpoint, verify_checkpoint
+from finetune.checkpointing.checkpoint import checkpoint_path, find_latest_checkpoint, verify_checkpoint
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -5,12 +5,12 @@ import pytest
 from helpers import tokenizing
 from transformers import AutoTokenizer
 
-from finetune.batching import TokenizedDataset
-from finetune.default_tagged_tickets import ENTITY_TYPES, TAG_NAMES, make_tagged_tickets
+from finetune.data.batching import TokenizedDataset
+from finetune.data.embedded.tagged_tickets import ENTITY_TYPES, TAG_NAMES, make_tagged_tickets
 from finetune.errors import UserError
-from finetune.metrics import load_metric
-from finetune.models import default_model_path
-from finetune.tagging import IGNORE, align_labels, count_cut, encode_tags, entity_scores, first_pieces, read_conll
+from finetune.models.loading import default_model_path
+from finetune.tasks.metrics import load_metric
+from finetune.tasks.tagging import IGNORE, align_labels, count_cut, encode_tags, entity_scores, first_pieces, read_conll
 
 
 def random_tags(rng, length):
@@ -130,7 +130,7 @@ def test_a_sentence_far_over_the_limit_is_cut_to_its_first_words_before_tokenizi
     gives; the tokenizer never sees more than --max_seq_length words of it."""
     import transformers
 
-    from finetune import tagging
+    from finetune.tasks import tagging
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     long = ["Refund", "$49.99", "to", "lee_99@example.co.uk"] * 5000

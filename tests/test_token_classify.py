@@ -24,9 +24,9 @@ from helpers import (
 )
 from transformers import AutoModelForTokenClassification, AutoTokenizer, pipeline
 
-from finetune.default_tagged_tickets import TAG_NAMES, make_tagged_tickets
-from finetune.prepared_data import load_or_build
-from finetune.tagging import IGNORE, entities, entity_scores
+from finetune.data.cache import load_or_build
+from finetune.data.embedded.tagged_tickets import TAG_NAMES, make_tagged_tickets
+from finetune.tasks.tagging import IGNORE, entities, entity_scores
 
 RECIPE = recipe_path("token_classify")
 RESULT_KEYS = {"eval_precision", "eval_recall", "eval_f1", "eval_accuracy", "eval_loss", "train_loss",

@@ -42,7 +42,7 @@ from helpers import (
 
 from finetune.config import parse_config
 from finetune.errors import UserError
-from finetune.trackers import RUN_FILE, RUN_ID_TAG, Trackers, TrackerSettings
+from finetune.observability.trackers import RUN_FILE, RUN_ID_TAG, Trackers, TrackerSettings
 
 TRACKED = ["--report_to", "tensorboard,mlflow,wandb", "--hub_token", HUB_TOKEN]
 STEPS = 12  # 42 examples in global batches of 8: 6 steps an epoch, 2 epochs

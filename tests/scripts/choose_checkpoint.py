@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.config import parse_config
-from finetune.launcher import make_runtime
 from finetune.loop import _main_process_choice
+from finetune.runtimes.launcher import make_runtime
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from finetune.config import parse_config
-from finetune.launcher import make_runtime
+from finetune.runtimes.launcher import make_runtime
 
 
 @dataclass

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from finetune.batching import TokenizedDataset
 from finetune.config import parse_config
-from finetune.launcher import make_runtime
+from finetune.data.batching import TokenizedDataset
+from finetune.runtimes.launcher import make_runtime
 
 
 @dataclass

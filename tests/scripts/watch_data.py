@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from finetune.batching import PlannedBatch, TokenizedDataset
-from finetune.prepared_data import Tokenizing
+from finetune.data.batching import PlannedBatch, TokenizedDataset
+from finetune.data.cache import Tokenizing
 
 out = Path(sys.argv[1])
 record = {"builds": 0, "fetched": [], "lengths": None}

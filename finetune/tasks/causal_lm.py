@@ -18,15 +18,15 @@ import torch
 import transformers
 from torch.utils.checkpoint import checkpoint
 
-from finetune.chat import IGNORE, require_chat_template
-from finetune.checkpoint import save_model
+from finetune.checkpointing.checkpoint import save_model
 from finetune.config import arg
-from finetune.ddp import all_reduce_max, unwrap
+from finetune.distributed.ddp import all_reduce_max, unwrap
+from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
-from finetune.fsdp import is_sharded
-from finetune.lora import save_adapter
-from finetune.models import default_chat_model_path, from_pretrained
+from finetune.models.loading import default_chat_model_path, from_pretrained
+from finetune.models.lora import save_adapter
 from finetune.task import ModelCardInfo
+from finetune.tasks.chat import IGNORE, require_chat_template
 
 __all__ = ["CausalLMArguments", "ChatModelArguments", "chat_model_card", "check_output_layer", "decode_replies",
            "greedy_replies", "label_log_probs", "language_model_collators", "load_chat_tokenizer", "save_chat_model",

@@ -2,7 +2,7 @@
 
 ``evaluate.load("accuracy")`` downloads the module's script from the Hub, unpinned, and runs it, on every
 process. The modules built here compute the same numbers (accuracy and F1 call scikit-learn, as the Hub's do;
-seqeval's entity scores are ``finetune.tagging.entity_scores``, tested against seqeval), need no network, and run
+seqeval's entity scores are ``finetune.tasks.tagging.entity_scores``, tested against seqeval), need no network, and run
 only this package's code. ``evaluate`` and scikit-learn load with the first metric (about 2 s), not with this
 module, so that a recipe's flags are checked before they load.
 """
@@ -26,7 +26,7 @@ def _offline_modules() -> dict[str, type]:
     import evaluate
     from sklearn.metrics import accuracy_score, f1_score
 
-    from finetune.tagging import entity_scores
+    from finetune.tasks.tagging import entity_scores
 
     features = datasets.Features({"predictions": datasets.Value("int64"), "references": datasets.Value("int64")})
 

@@ -7,8 +7,8 @@ import math
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.errors import UserError
-from finetune.prepared_data import TOKEN_IDS, Tokenizing, fitting_prefixes
 
 __all__ = ["encode_labels", "tokenize_texts"]
 

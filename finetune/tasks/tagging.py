@@ -10,8 +10,8 @@ from __future__ import annotations
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from finetune.data.cache import TOKEN_IDS, Tokenizing
 from finetune.errors import UserError
-from finetune.prepared_data import TOKEN_IDS, Tokenizing
 
 __all__ = ["align_labels", "count_cut", "encode_tags", "entities", "entity_scores", "first_pieces", "read_conll"]
 

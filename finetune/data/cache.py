@@ -40,9 +40,9 @@ import datasets
 import filelock
 import xxhash
 
-from finetune.batching import LENGTH, LOSS_UNITS
-from finetune.checkpoint import fsync_directory
-from finetune.data import file_digest
+from finetune.checkpointing.checkpoint import fsync_directory
+from finetune.data.batching import LENGTH, LOSS_UNITS
+from finetune.data.sources import file_digest
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 

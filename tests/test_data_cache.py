@@ -26,9 +26,9 @@ from helpers import (
     write_csv,
 )
 
-from finetune.data import file_digest
+from finetune.data.cache import cache_folder, load_or_build
+from finetune.data.sources import file_digest
 from finetune.errors import UserError
-from finetune.prepared_data import cache_folder, load_or_build
 
 
 def recipe_task(name: str, task: str, arguments: str, flags: list[str]):
@@ -180,7 +180,7 @@ def test_a_build_killed_half_way_is_never_read(small_data, tmp_path):
 import sys, time
 sys.path.insert(0, {str(REPO / 'tests')!r})
 from helpers import load_recipe
-from finetune.prepared_data import Tokenizing, load_or_build
+from finetune.data.cache import Tokenizing, load_or_build
 original = Tokenizing.map
 def map_then_hang(self, split, fn, name, features):
     mapped = original(self, split, fn, name, features)
@@ -255,7 +255,7 @@ def test_accelerate_resumes_mid_epoch_without_fetching_the_skipped_batches(small
 
 
 def assert_fetches_start_at_the_checkpoint(ranks: list[dict], checkpoint: Path) -> None:
-    from finetune.batching import GlobalBatchSampler
+    from finetune.data.batching import GlobalBatchSampler
 
     progress = json.loads((checkpoint / "progress.json").read_text())
     assert progress["batches_in_epoch"] > 0, "the checkpoint is mid-epoch"
@@ -379,7 +379,7 @@ def test_a_disk_that_fills_during_a_build_is_one_clear_error_and_leaves_nothing(
     """Files stop growing at 64 kB while the train split is written (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC)."""
     import resource
 
-    from finetune.prepared_data import Tokenizing
+    from finetune.data.cache import Tokenizing
 
     rows = [{"text": f"please look at ticket number {i} " * 3, "label": "ab"[i % 2]} for i in range(3000)]
     flags = ["--train_file", str(write_jsonl(tmp_path / "t.jsonl", rows)), "--validation_file",
@@ -416,15 +416,15 @@ def test_tokenizing_workers_die_with_a_build_that_is_killed(small_data, tmp_path
 import os, sys, time
 sys.path.insert(0, {str(REPO / 'tests')!r})
 from helpers import load_recipe
-from finetune import prepared_data
+from finetune.data import cache
 def hang(self, batch, rows):
     print("worker", os.getpid(), flush=True)
     time.sleep(600)
-prepared_data._Guarded.__call__ = hang
+cache._Guarded.__call__ = hang
 recipe = load_recipe()
 cfg, args = recipe.parse_config(recipe.ClassifyArguments, {flags!r})
 task = recipe.ClassifyTask(args)
-prepared_data.load_or_build(task, cfg, task.load_tokenizer(cfg))
+cache.load_or_build(task, cfg, task.load_tokenizer(cfg))
 """], stdout=subprocess.PIPE, text=True)
     try:
         started = [child.stdout.readline() for _ in range(2)]
@@ -464,8 +464,8 @@ def long_texts(count: int, special: str) -> list[str]:
 def test_a_text_cut_before_tokenizing_keeps_exactly_the_tokens_kept(model):
     from transformers import AutoTokenizer
 
-    from finetune.models import default_chat_model_path, default_model_path
-    from finetune.prepared_data import fitting_prefixes
+    from finetune.data.cache import fitting_prefixes
+    from finetune.models.loading import default_chat_model_path, default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path() if model == "minilm" else default_chat_model_path())
     texts = long_texts(60, "[SEP]" if model == "minilm" else "<|im_start|>")
@@ -484,8 +484,8 @@ def test_a_pair_is_cut_only_where_the_order_of_its_lengths_stays(tmp_path):
     from helpers import tokenizing
     from transformers import AutoTokenizer
 
-    from finetune.classification import tokenize_texts
-    from finetune.models import default_model_path
+    from finetune.models.loading import default_model_path
+    from finetune.tasks.classification import tokenize_texts
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     texts = long_texts(30, "")

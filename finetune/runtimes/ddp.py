@@ -1,4 +1,4 @@
-"""The training loop's runtime on raw ``torch.distributed`` (``finetune.ddp``), for ``torchrun``.
+"""The training loop's runtime on raw ``torch.distributed`` (``finetune.distributed.ddp``), for ``torchrun``.
 
 Checkpoints use the file names and contents ``accelerator.save_state`` writes, so either runtime resumes
 the other's checkpoints.
@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from finetune.ddp import (
+from finetune.distributed.ddp import (
     all_gather_padded,
     all_reduce_sum,
     destroy_distributed,
@@ -25,7 +25,7 @@ from finetune.ddp import (
     wrap_model,
 )
 from finetune.errors import UserError
-from finetune.runtime import (
+from finetune.runtimes.base import (
     Runtime,
     TrackerSettings,
     load_rng_state,

@@ -2,7 +2,7 @@
 a pair's two rows into one forward pass, the DPO losses, and the reference model.
 
 A pair is a prompt (messages), a chosen reply and a rejected one (each one assistant turn). Both replies are found by
-position, as ``finetune.chat`` finds a reply: the prompt rendered with the generation prompt, and the reply as the
+position, as ``finetune.tasks.chat`` finds a reply: the prompt rendered with the generation prompt, and the reply as the
 stretch the rendering with it adds. The prompt text is tokenized once and each reply's text after it, so both rows
 of a pair start with exactly the same prompt token ids, the ones a model reading the prompt with the generation
 prompt sees when it replies.
@@ -27,13 +27,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from finetune.batching import LENGTH, LOSS_UNITS
-from finetune.causal_lm import label_log_probs, shared_prompt_log_probs
-from finetune.chat import IGNORE, check_conversation, render_reply_spans
-from finetune.checkpoint import tensors_digest
-from finetune.ddp import all_gather_padded, all_reduce_max, unwrap
+from finetune.checkpointing.checkpoint import tensors_digest
+from finetune.data.batching import LENGTH, LOSS_UNITS
+from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
+from finetune.distributed.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
-from finetune.prepared_data import TOKEN_IDS, Tokenizing, fitting_prefixes
+from finetune.tasks.causal_lm import label_log_probs, shared_prompt_log_probs
+from finetune.tasks.chat import IGNORE, check_conversation, render_reply_spans
 
 __all__ = ["LOSS_TYPES", "PairCollator", "Precomputation", "PromptRepliesCollator", "Reference", "check_loss_options",
            "dpo_loss", "is_adapter_folder", "load_causal_lm", "pair_figures", "pair_log_probs", "pair_metrics",
@@ -209,7 +209,7 @@ class PairCollator:
 
 
 class PromptRepliesCollator:
-    """Pairs to one batch for ``finetune.causal_lm.shared_prompt_log_probs`` (evaluation, the precomputed
+    """Pairs to one batch for ``finetune.tasks.causal_lm.shared_prompt_log_probs`` (evaluation, the precomputed
     reference): ``prompt_ids`` and ``prompt_mask``, one row per pair, and ``reply_ids`` and ``reply_mask``, each
     pair's chosen then rejected reply, all right-padded. ``index`` (one per pair) comes along."""
 
@@ -230,7 +230,7 @@ class PromptRepliesCollator:
 
 def pair_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_probs, counts)``, each ``[pairs, 2]`` (chosen, rejected): the replies' float32 log-probabilities
-    summed over their tokens (``finetune.causal_lm.label_log_probs``), and their token counts. ``batch`` is a
+    summed over their tokens (``finetune.tasks.causal_lm.label_log_probs``), and their token counts. ``batch`` is a
     ``PairCollator`` batch without its ``index``; it loses its labels."""
     log_probs, labels = label_log_probs(model, batch)
     return _by_pair(log_probs.sum(1)), _by_pair((labels != IGNORE).sum(1))
@@ -331,7 +331,7 @@ class Reference:
 
     def shared_prompt_log_probs(self, policy, batch: dict, max_tokens: int) -> torch.Tensor:
         """``[pairs, 2]`` as ``pair_log_probs``, of a ``PromptRepliesCollator`` batch, each prompt run once for both
-        replies in passes of at most ``max_tokens`` tokens (``finetune.causal_lm.shared_prompt_log_probs``);
+        replies in passes of at most ``max_tokens`` tokens (``finetune.tasks.causal_lm.shared_prompt_log_probs``);
         ``policy`` may be wrapped (DDP)."""
         with torch.no_grad(), self._model(policy, batch["prompt_ids"].device) as model:
             return shared_prompt_log_probs(model, batch, max_tokens)
@@ -353,7 +353,7 @@ class Reference:
 
 
 def load_causal_lm(name_or_path: str, **kwargs):
-    """The causal LM at ``name_or_path`` (``finetune.models.from_pretrained``); a peft adapter folder (a chat
+    """The causal LM at ``name_or_path`` (``finetune.models.loading.from_pretrained``); a peft adapter folder (a chat
     run's output) gives its base model with the adapter folded into the weights.
 
     Raises:
@@ -361,7 +361,7 @@ def load_causal_lm(name_or_path: str, **kwargs):
     """
     import transformers
 
-    from finetune.models import from_pretrained
+    from finetune.models.loading import from_pretrained
 
     if not is_adapter_folder(name_or_path):
         return from_pretrained(transformers.AutoModelForCausalLM, name_or_path, **kwargs)

@@ -11,7 +11,7 @@ your own can use them directly::
     destroy_distributed()
 
 The layer imports neither accelerate nor anything else of the package's training loop; the loop's
-runtime on top of it is ``finetune.ddp_runtime``.
+runtime on top of it is ``finetune.runtimes.ddp``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from finetune.checkpoint import load_state_dict_unwrapped
+from finetune.checkpointing.checkpoint import load_state_dict_unwrapped
 from finetune.environment import LaunchEnvironment
 
 __all__ = [

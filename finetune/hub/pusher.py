@@ -1,7 +1,7 @@
 """Pushing checkpoints and the final model to the Hugging Face Hub without ever holding training up.
 
 Only the main process talks to the Hub. The repository is created at start-up, so a bad token fails
-in seconds; every push after that is a job for a separate upload process (``hub_uploader.py``), retried
+in seconds; every push after that is a job for a separate upload process (``uploader.py``), retried
 with backoff, and its outcome is recorded rather than raised. Training never waits for an upload. A push
 holds exactly what the run saved for it, never a file reached through a symbolic link.
 """
@@ -26,10 +26,10 @@ from pathlib import Path
 from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError
 
-from finetune.checkpoint import MANIFEST_FILE
+from finetune.checkpointing.checkpoint import MANIFEST_FILE
+from finetune.checkpointing.preemption import STOP_GRACE
 from finetune.errors import UserError
-from finetune.hub_uploader import TIMED_OUT_EXIT_CODE, describe
-from finetune.preemption import STOP_GRACE
+from finetune.hub.uploader import TIMED_OUT_EXIT_CODE, describe
 from finetune.task import ModelCardInfo
 
 __all__ = ["HubPusher", "download_last_checkpoint", "model_card"]
@@ -42,7 +42,7 @@ LAST_CHECKPOINT = "last-checkpoint"
 class HubPusher:
     """Pushes one run's checkpoints and final model to one Hub repository (main process only).
 
-    Pushes are done in order by ``hub_uploader.py`` in a process of its own, so uploading takes neither
+    Pushes are done in order by ``uploader.py`` in a process of its own, so uploading takes neither
     the GIL nor a busy core from training. On other processes every method does nothing, so callers need
     no rank check.
     """
@@ -77,7 +77,7 @@ class HubPusher:
         # of its own, a signal a launcher sends this process's group (torchrun's SIGTERM, a terminal's Ctrl-C)
         # misses it, and it ignores those Slurm sends every process: the push of a stop's checkpoint still lands.
         self._uploader = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("hub_uploader.py")), self.repo_id, str(timeout),
+            [sys.executable, str(Path(__file__).with_name("uploader.py")), self.repo_id, str(timeout),
              *([self.revision] if self.revision else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_TOKEN": self.token},
             start_new_session=True,

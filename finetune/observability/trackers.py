@@ -27,7 +27,7 @@ from pathlib import Path
 from accelerate import PartialState
 from accelerate.tracking import GeneralTracker, MLflowTracker, TensorBoardTracker, WandBTracker
 
-from finetune.checkpoint import read_progress
+from finetune.checkpointing.checkpoint import read_progress
 
 __all__ = ["FLUSH_TIMEOUT", "RUN_FILE", "STOP_FLUSH_TIMEOUT", "TrackerSettings", "Trackers", "read_tracking_run"]
 

@@ -12,13 +12,13 @@ from safetensors.torch import load_file
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.data import DataLoader
 
-from finetune.batching import GlobalBatchSampler
-from finetune.ddp import init_distributed
+from finetune.data.batching import GlobalBatchSampler
+from finetune.distributed.ddp import init_distributed
+from finetune.distributed.fsdp import clip_grad_norm_, full_state_dict, generate_in_lockstep, transformer_block_classes
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
-from finetune.fsdp import clip_grad_norm_, full_state_dict, generate_in_lockstep, transformer_block_classes
-from finetune.fsdp_runtime import load_sharded_state, save_sharded_state
-from finetune.runtime import Runtime, TrackerSettings, load_trainable_state, own_generator, trainable_state_dict
+from finetune.runtimes.base import Runtime, TrackerSettings, load_trainable_state, own_generator, trainable_state_dict
+from finetune.runtimes.fsdp import load_sharded_state, save_sharded_state
 
 __all__ = ["AccelerateRuntime"]
 

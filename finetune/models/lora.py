@@ -6,9 +6,9 @@ import os
 
 import torch
 
-from finetune.checkpoint import save_model
+from finetune.checkpointing.checkpoint import save_model
+from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
-from finetune.fsdp import is_sharded
 
 __all__ = ["DropoutLinear", "add_lora", "save_adapter"]
 

@@ -17,9 +17,9 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from finetune.batching import LOSS_UNITS
+from finetune.data.batching import LOSS_UNITS
+from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.errors import UserError
-from finetune.prepared_data import TOKEN_IDS, Tokenizing, fitting_prefixes
 
 __all__ = ["IGNORE", "ROLES", "check_conversation", "conversation_layout", "read_conversations",
            "render_reply_spans", "require_chat_template", "tokenize_conversations", "write_generations"]

@@ -12,13 +12,13 @@ from datetime import timedelta
 import psutil
 import torch
 
-from finetune.accelerate_runtime import AccelerateRuntime
 from finetune.config import TrainConfig
-from finetune.ddp_runtime import DDPRuntime
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
-from finetune.fsdp_runtime import FSDPRuntime
-from finetune.runtime import Runtime, TrackerSettings
+from finetune.runtimes.accelerate import AccelerateRuntime
+from finetune.runtimes.base import Runtime, TrackerSettings
+from finetune.runtimes.ddp import DDPRuntime
+from finetune.runtimes.fsdp import FSDPRuntime
 
 __all__ = ["launcher_chose_one_thread", "make_runtime"]
 

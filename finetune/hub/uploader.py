@@ -1,4 +1,4 @@
-"""The upload process behind ``finetune.hub.HubPusher``: commits pushes to one Hub repository, in order.
+"""The upload process behind ``finetune.hub.pusher.HubPusher``: commits pushes to one Hub repository, in order.
 
 Uploading encodes and hashes whole files. In a thread of the training process that work would hold
 the GIL between training's kernel launches and take a core from it; in a process of its own at the
@@ -6,7 +6,7 @@ low CPU priority (nice 10) it takes little from training, yet still a share when
 core busy (at idle priority it would starve there, and a machine that died mid-run would leave nothing on
 the Hub). It imports nothing but huggingface_hub and is run by path, so it starts in a fraction of a second.
 
-Protocol: ``python hub_uploader.py REPO_ID TIMEOUT [REVISION]`` with the token in ``HF_TOKEN``. Each line on
+Protocol: ``python finetune/hub/uploader.py REPO_ID TIMEOUT [REVISION]`` with the token in ``HF_TOKEN``. Each line on
 stdin is a push: ``{"push": n, "message": ..., "files": [[path_in_repo, local_path], ...], "stage": ...,
 "saved_at": ..., "replaces": FOLDER or null}``; with ``replaces``, the commit also deletes every file under
 ``FOLDER/`` in the repository that the push does not hold (a checkpoint replacing another one). Each line on

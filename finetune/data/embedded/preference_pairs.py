@@ -1,8 +1,8 @@
 """The embedded default data of the preference recipe: pairs of replies to the chat recipe's support tickets.
 
-Each pair's prompt is a support conversation's system line and ticket (``finetune.default_chat``); the chosen
-reply is that conversation's reply, which names the team owning the ticket; the rejected reply names another
-team with the same sentence after it, or is a curt reply that names no team (half each, by a fixed seed).
+Each pair's prompt is a support conversation's system line and ticket (``finetune.data.embedded.support_chats``);
+the chosen reply is that conversation's reply, which names the team owning the ticket; the rejected reply names
+another team with the same sentence after it, or is a curt reply that names no team (half each, by a fixed seed).
 Validation pairs come from the chat data's validation tickets, less any whose prompt a training pair has.
 Few and short, for a default run of a few minutes on two CPU cores.
 """
@@ -13,8 +13,8 @@ import random
 
 from datasets import Dataset, DatasetDict
 
-from finetune.default_chat import make_support_conversations
-from finetune.default_dataset import LABEL_NAMES
+from finetune.data.embedded.support_chats import make_support_conversations
+from finetune.data.embedded.support_tickets import LABEL_NAMES
 
 __all__ = ["make_preference_pairs"]
 

@@ -1,7 +1,7 @@
 """Sharded data parallelism with PyTorch's FSDP2 (``fully_shard``) and ``torch.distributed.checkpoint``.
 
 Each process holds 1/N of every weight, gradient and optimizer state; a block's weights are gathered just
-before it runs and freed after. Launch with ``torchrun --nproc_per_node=N script.py``. Like ``finetune.ddp``
+before it runs and freed after. Launch with ``torchrun --nproc_per_node=N script.py``. Like ``finetune.distributed.ddp``
 the functions are public, for a training loop of your own::
 
     info = init_sharding()                          # a process group, also for one process
@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from finetune.ddp import DistributedInfo, init_distributed
+from finetune.distributed.ddp import DistributedInfo, init_distributed
 
 __all__ = [
     "MODEL_FOLDER",
@@ -68,7 +68,7 @@ _METADATA_GLOBALS = {
 
 
 def init_sharding(backend: str | None = None, timeout: timedelta = timedelta(minutes=30)) -> DistributedInfo:
-    """``finetune.ddp.init_distributed``, with a process group also for a lone process: a device mesh needs one."""
+    """``ddp.init_distributed``, with a process group also for a lone process: a device mesh needs one."""
     info = init_distributed(backend, timeout)
     if not dist.is_initialized():
         dist.init_process_group(backend or ("nccl" if info.device.type == "cuda" else "gloo"), store=dist.HashStore(),

@@ -1,5 +1,5 @@
 """The training loop's runtime for ``--fsdp`` under torchrun: raw DDP's process group, loaders and collectives,
-with the model sharded by ``finetune.fsdp`` instead of replicated.
+with the model sharded by ``finetune.distributed.fsdp`` instead of replicated.
 
 Checkpoints hold each process's shards (``torch.distributed.checkpoint``), resharded when loaded, so a run
 resumes at another number of processes; the final save gathers the full weights onto the main process.
@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.ddp_runtime import DDPRuntime
-from finetune.fsdp import (
+from finetune.distributed.fsdp import (
     clip_grad_norm_,
     full_state_dict,
     init_sharding,
@@ -23,7 +22,8 @@ from finetune.fsdp import (
     shard_model,
     sharded_shapes,
 )
-from finetune.runtime import check_trainable_shapes, load_rng_state, save_rng_state
+from finetune.runtimes.base import check_trainable_shapes, load_rng_state, save_rng_state
+from finetune.runtimes.ddp import DDPRuntime
 
 __all__ = ["FSDPRuntime", "load_sharded_state", "save_sharded_state"]
 

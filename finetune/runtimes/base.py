@@ -1,9 +1,10 @@
-"""The narrow interface the training loop runs through; it knows no task.
+"""The interface the training loop runs through (it knows no task), and what every runtime shares.
 
-The loop never asks which launcher started it: ``finetune.launcher.make_runtime`` picks Accelerate
-(``accelerate_runtime``) or raw DDP (``ddp_runtime``) and both answer the same calls. The interface holds
-only what differs between the two: building and preparing loaders and the model, gradient
-synchronisation, collectives, and saving/restoring state.
+The loop never asks which launcher started it: ``launcher.make_runtime`` picks Accelerate (``accelerate``), raw
+DDP (``ddp``) or FSDP on raw DDP's process group (``fsdp``), and all answer the same calls. The abstract methods
+are what differs between them: loaders and the model's wrapping, accumulation and gradient synchronisation,
+collectives, unwrapping, and their part of a checkpoint; the rest (the stop vote, checkpoint folders, trainable
+weights and RNG states, trackers) is written once here.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch.utils.data import DataLoader
 
-from finetune.batching import GlobalBatchSampler
-from finetune.checkpoint import (
+from finetune.checkpointing.checkpoint import (
     Progress,
     checkpoint_path,
     disk_write_failure,
@@ -34,17 +34,19 @@ from finetune.checkpoint import (
     write_manifest,
     write_progress,
 )
+from finetune.data.batching import GlobalBatchSampler
+from finetune.distributed.fsdp import MODEL_FOLDER
 from finetune.errors import Stopped, UserError
-from finetune.fsdp import MODEL_FOLDER
-from finetune.trackers import FLUSH_TIMEOUT, STOP_FLUSH_TIMEOUT, Trackers, TrackerSettings
+from finetune.observability.trackers import FLUSH_TIMEOUT, STOP_FLUSH_TIMEOUT, Trackers, TrackerSettings
 
 __all__ = ["Runtime", "TrackerSettings", "check_trainable_shapes", "load_rng_state", "load_trainable_state",
            "own_generator", "save_rng_state", "trainable_state_dict"]
 
 
 SAVE_WAIT = timedelta(days=7)
-_RNG_STATE_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType, codecs.encode]
-"""What numpy's RNG state needs to unpickle, and nothing that could run code."""
+_RNG_STATE_GLOBALS = [np.empty(0).__reduce__()[0], np.ndarray, np.dtype, np.dtypes.UInt32DType, codecs.encode]
+"""What numpy's RNG state needs to unpickle (an array's pickle calls the first, numpy's private reconstructor), and
+nothing that could run code."""
 
 
 class Runtime(ABC):

@@ -1,6 +1,6 @@
 """The embedded default data of the chat recipe: support conversations that route a ticket and answer it.
 
-Built from the short tickets of ``finetune.default_dataset`` (deterministic, offline): the user writes the
+Built from the short tickets of ``finetune.data.embedded.support_tickets`` (deterministic, offline): the user writes the
 ticket, the assistant's reply names the team that owns it on its first line, then says what happens next.
 The data is kept small and short, so the default run fits a few minutes on two CPU cores: the cost of
 LoRA on a 135M model there is about 17 ms per token.
@@ -12,7 +12,7 @@ import random
 
 from datasets import Dataset, DatasetDict
 
-from finetune.default_dataset import LABEL_NAMES, make_support_tickets
+from finetune.data.embedded.support_tickets import LABEL_NAMES, make_support_tickets
 
 __all__ = ["SYSTEM_PROMPT", "make_support_conversations", "routed_team", "routing_accuracy"]
 

@@ -1,0 +1,5 @@
+"""Models: loading models and tokenizers by Hub id or folder with errors a user can act on, the embedded default
+models and the optimizer's parameter groups (``loading``), LoRA adapters through peft (``lora``).
+
+May import: distributed, checkpointing and the core.
+"""

@@ -1,0 +1,7 @@
+"""The tasks' libraries, what a recipe's Task is made of: class labels (``classification``), BIO tags, sub-token
+alignment and entity scores (``tagging``), conversations through the chat template and the tokens that train
+(``chat``), causal-LM batches, log-probabilities in chunks and greedy replies (``causal_lm``), preference pairs,
+the DPO losses and the reference (``preference``), and the metrics as evaluate modules (``metrics``).
+
+May import: models, hub, distributed, data, checkpointing and the core.
+"""
