@@ -13,16 +13,14 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import get_scheduler, set_seed
 
@@ -43,13 +41,14 @@ from finetune.checkpointing.checkpoint import (
     resumed_progress,
     write_final_model,
 )
+from finetune.checkpointing.guard import CheckpointGuard
 from finetune.checkpointing.preemption import StopSignals
 from finetune.config import TrainConfig
 from finetune.data.batching import GlobalBatchSampler
 from finetune.data.cache import load_or_build
 from finetune.distributed.ddp import pad_second_dim
 from finetune.environment import LaunchEnvironment
-from finetune.errors import Stopped, UserError
+from finetune.errors import UserError
 from finetune.hub.pusher import HubPusher, download_last_checkpoint, model_card
 from finetune.models.loading import optimizer_param_groups
 from finetune.observability.metering import TrainingMeter
@@ -116,18 +115,11 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         # fused: one kernel over all parameters instead of a dozen passes over memory per step.
         optimizer = torch.optim.AdamW(optimizer_param_groups(setup.model, cfg.weight_decay), lr=cfg.learning_rate,
                                       fused=True)
-        steps_per_epoch = math.ceil(sampler.batches_per_rank / cfg.gradient_accumulation_steps)
-        max_steps = cfg.max_train_steps or cfg.num_train_epochs * steps_per_epoch
-        num_epochs = math.ceil(max_steps / steps_per_epoch)
-        scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps, max_steps)
+        schedule = Schedule.of(sampler.batches_per_rank, cfg)
+        scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps, schedule.max_steps)
 
-        # -- resume: weights, optimizer, schedule, RNG and the position in the epoch, at another world size too
-        # when the global batch is kept (a fresh run gets an identity of its own, which only the main process records),
-        # on the frozen weights it was trained on (hashed while the model is whole, before it is sharded)
-        progress = Progress(world_size=runtime.world_size, runtime=runtime.name, seed=cfg.seed, run_id=uuid.uuid4().hex,
-                            per_device_train_batch_size=cfg.per_device_train_batch_size,
-                            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                            frozen_weights=frozen_weights_digest(setup.model))
+        # -- resume: weights, optimizer, schedule, RNG and the position in the epoch (see _resume)
+        progress = _fresh_progress(cfg, runtime, setup.model)
         model, optimizer, scheduler, train_loader, eval_loader = runtime.prepare(
             setup.model, optimizer, scheduler, train_loader, eval_loader)
         if resume_from:
@@ -137,132 +129,40 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         progress.launch_id = launch
         if runtime.is_main_process:  # only now that the run has all it needs may it remove what it replaces
             clear_output_dir(cfg.output_dir, progress, cfg.overwrite_output_dir, getattr(task, "run_files", ()))
+        runtime.print(_start_line(task, cfg, runtime, data.source, setup, sampler, schedule))
 
-        truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None
-                     else setup.truncated)
-        runtime.print(
-            f"training {task.name} on {data.source}: {len(setup.train_set)} examples ({truncated} cut "
-            f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {max_steps} steps, {runtime.world_size} "
-            f"process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU thread(s) each [{runtime.name}]")
-
-        def evaluate_and_log():
-            metrics, outputs = _evaluate(runtime, task, model, eval_loader, stop_if_signalled)
-            runtime.log(metrics, step=progress.global_step)
-            return metrics, outputs
-
-        # A non-finite loss or gradient norm is noted on the device (no sync per step) and checked, on every
-        # process, before anything is written or logged: no such weights reach a checkpoint, the model or the Hub.
-        nonfinite_at = torch.full((), -1, dtype=torch.long, device=runtime.device)  # the first such step
-        window_finite = torch.ones((), dtype=torch.bool, device=runtime.device)
-
-        def check_finite() -> None:
-            local = int(nonfinite_at.item())
-            (first,) = runtime.max_over_processes([-local if local >= 0 else -math.inf])
-            if first > -math.inf:
-                raise UserError(
-                    f"the loss or the gradient norm was not finite at step {int(-first)}, so nothing from that step on "
-                    f"was saved; lower --learning_rate (now {cfg.learning_rate}), keep --max_grad_norm above 0, look "
-                    "for extreme rows in the data, and resume from the last checkpoint")
-
-        saved = {}  # step -> its checkpoint, so that a stop at that step does not write it again
-
-        def save_checkpoint() -> Path:
-            check_finite()
-            _check_finite_model(runtime, model, progress.global_step, cfg.learning_rate)
-            folder = saved[progress.global_step] = runtime.save_checkpoint(cfg.output_dir, progress,
-                                                                         cfg.checkpoints_total_limit)
-            hub.push_checkpoint(folder, progress.global_step, runtime.unwrap(model).config, tokenizer)
-            return folder
-
-        def stop_if_signalled() -> None:
-            """A stop signal on any process: all save this step, then stop (the same flags resume it). Checked at
-            every optimizer step and before every evaluation batch, so no long work runs after a signal."""
-            signal_number, negative_time = runtime.max_over_processes([stop.number, -stop.at])
-            if signal_number:
-                folder = saved.get(progress.global_step) or save_checkpoint()
-                progress_bar.close()
-                _stop(runtime, hub, folder, int(signal_number), -negative_time, progress.global_step)
-
-        # -- train (the output folder exists: the main process made it when it took the lock)
+        # -- train (the output folder exists: the main process made it when it took the lock); the bar is
         # closed however the loop ends, so that an error is printed on a line of its own
         progress_bar = closing.enter_context(
-            tqdm(total=max_steps, initial=progress.global_step, disable=not runtime.is_main_process))
-        meter = TrainingMeter(runtime.device, runtime.reduce_sum, getattr(task, "logged_figures", ()))
-        grad_norm = None
-        metrics, eval_outputs, evaluated_at = {}, None, None
-        for epoch in range(progress.epoch, num_epochs):
-            progress.epoch = epoch
-            model.train()
-            plan = sampler.plan(epoch, runtime.rank)[progress.batches_in_epoch:]
-            batches = runtime.epoch_batches(train_loader, epoch, skip_batches=progress.batches_in_epoch)
-            for batch, planned in zip(batches, plan, strict=True):
-                # forward backward update; gradients are all-reduced only at the end of a window
-                with runtime.accumulate(model):
-                    loss = task.loss(model, batch)
-                    loss, figures = (loss, None) if torch.is_tensor(loss) else (loss.pop("loss"), loss)
-                    runtime.backward(loss * planned.loss_scale)
-                    window_finite &= torch.isfinite(loss.detach())
-                    if runtime.sync_gradients:
-                        if cfg.max_grad_norm > 0:  # clip the gradient; its norm before clipping is logged
-                            grad_norm = runtime.clip_grad_norm_(model, cfg.max_grad_norm)
-                            window_finite &= torch.isfinite(grad_norm)
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad()
-                if planned.num_real:
-                    meter.add(loss, planned.units, planned.num_real, real_tokens=int(sampler.lengths[planned].sum()),
-                              processed_tokens=batch["input_ids"].numel(), figures=figures)
-                progress.batches_in_epoch += 1
-                if not runtime.sync_gradients:
-                    continue
-                progress.global_step += 1
-                progress_bar.update(1)
-                nonfinite_at = torch.where((nonfinite_at < 0) & ~window_finite, progress.global_step, nonfinite_at)
-                window_finite.fill_(True)
-
-                # log, evaluate and checkpoint at their cadence
-                if progress.global_step % cfg.logging_steps == 0 or progress.global_step >= max_steps:
-                    check_finite()
-                    logs = {**meter.interval(), "learning_rate": scheduler.get_last_lr()[0], "epoch": epoch}
-                    if grad_norm is not None:
-                        logs["grad_norm"] = float(grad_norm)
-                    _log_interval(runtime, cfg.output_dir, logs, progress.global_step)
-                    progress_bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
-                                             samples_per_s=f"{logs['samples_per_second']:.1f}")
-                if cfg.eval_steps and progress.global_step % cfg.eval_steps == 0:
-                    (metrics, eval_outputs), evaluated_at = evaluate_and_log(), progress.global_step
-                    model.train()
-                if cfg.checkpoint_every_steps and progress.global_step % cfg.checkpoint_every_steps == 0:
-                    save_checkpoint()
-                stop_if_signalled()
-                if progress.global_step >= max_steps:
-                    break
-            if progress.batches_in_epoch == sampler.batches_per_rank:
-                progress.epoch, progress.batches_in_epoch = epoch + 1, 0
-                if cfg.checkpointing_steps == "epoch":
-                    save_checkpoint()
-
-            if evaluated_at != progress.global_step:  # --eval_steps may have just evaluated this model
-                (metrics, eval_outputs), evaluated_at = evaluate_and_log(), progress.global_step
+            tqdm(total=schedule.max_steps, initial=progress.global_step, disable=not runtime.is_main_process))
+        guard = CheckpointGuard(runtime, model, progress, stop, hub, output_dir=cfg.output_dir,
+                                checkpoints_total_limit=cfg.checkpoints_total_limit, learning_rate=cfg.learning_rate,
+                                tokenizer=tokenizer, before_stop=progress_bar.close)
+        evaluation = Evaluation(runtime, task, model, eval_loader, before_batch=guard.stop_if_signalled)
+        epochs = Epochs(runtime, task, cfg, model, optimizer, scheduler, sampler, train_loader, progress, guard,
+                        evaluation, progress_bar, schedule.max_steps,
+                        TrainingMeter(runtime.device, runtime.reduce_sum, getattr(task, "logged_figures", ())))
+        for epoch in range(progress.epoch, schedule.num_epochs):
+            epochs.run(epoch)
+            metrics, _ = evaluation.at(progress.global_step)  # --eval_steps may have just evaluated this model
             runtime.print(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            if progress.global_step >= max_steps:
+            if progress.global_step >= schedule.max_steps:
                 break
         progress_bar.close()
-        training = meter.totals()
-        if evaluated_at != progress.global_step:  # resumed from a checkpoint taken after the last step
-            metrics, eval_outputs = _evaluate(runtime, task, model, eval_loader, stop_if_signalled)
 
-        # -- save: every process reaches this point, the main process writes the unwrapped model
+        # -- save: every process reaches this point, the main process writes the unwrapped model (a run resumed
+        # from a checkpoint taken after its last step evaluates here)
+        metrics, eval_outputs = evaluation.at(progress.global_step)
         results = {
             **metrics,
-            **training,
-            "epoch": progress.global_step / steps_per_epoch,
+            **epochs.meter.totals(),
+            "epoch": progress.global_step / schedule.steps_per_epoch,
             "global_step": progress.global_step,
             "runtime": runtime.name,
             "world_size": runtime.world_size,
         }
         # (no non-finite loss gets here: the last step is always logged, which checks it first)
-        _check_finite_model(runtime, model, progress.global_step, cfg.learning_rate, metrics.get("eval_loss"))
+        guard.check_model(metrics.get("eval_loss"))
         _save(runtime, task, cfg, model, tokenizer, data.source, hub, results, eval_outputs)
         runtime.wait_for_save()
         runtime.log({k: results[k] for k in results.keys() - metrics.keys() - UNTRACKED_RESULTS}, progress.global_step)
@@ -271,6 +171,149 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         # -- the end: only the main process waits for its uploads (bounded by --hub_timeout)
         _finish_pushes(hub, cfg, results, stopped_at=lambda: stop.at)
         return results
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The run's length in optimizer steps."""
+
+    steps_per_epoch: int
+    max_steps: int
+    num_epochs: int
+
+    @classmethod
+    def of(cls, batches_per_rank: int, cfg: TrainConfig) -> Schedule:
+        steps_per_epoch = math.ceil(batches_per_rank / cfg.gradient_accumulation_steps)
+        max_steps = cfg.max_train_steps or cfg.num_train_epochs * steps_per_epoch
+        return cls(steps_per_epoch, max_steps, math.ceil(max_steps / steps_per_epoch))
+
+
+@dataclasses.dataclass
+class Epochs:
+    """The epoch loop: forward and backward over each micro-batch, the optimizer step at the end of each
+    accumulation window, and after each step what is due at that step: logging, evaluation, a checkpoint, a stop."""
+
+    runtime: Runtime
+    task: Task
+    cfg: TrainConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: GlobalBatchSampler
+    train_loader: Any
+    progress: Progress
+    guard: CheckpointGuard
+    evaluation: Evaluation
+    progress_bar: tqdm
+    max_steps: int
+    meter: TrainingMeter
+    grad_norm: torch.Tensor | None = None
+
+    def run(self, epoch: int) -> None:
+        """Train ``epoch`` from where ``progress`` stands in it, to its end or to the last step."""
+        progress = self.progress
+        progress.epoch = epoch
+        self.model.train()
+        plan = self.sampler.plan(epoch, self.runtime.rank)[progress.batches_in_epoch:]
+        batches = self.runtime.epoch_batches(self.train_loader, epoch, skip_batches=progress.batches_in_epoch)
+        for batch, planned in zip(batches, plan, strict=True):
+            self._micro_step(batch, planned)
+            progress.batches_in_epoch += 1
+            if self.runtime.sync_gradients:
+                progress.global_step += 1
+                self._after_step(epoch)
+                if progress.global_step >= self.max_steps:
+                    break
+        if progress.batches_in_epoch == self.sampler.batches_per_rank:
+            progress.epoch, progress.batches_in_epoch = epoch + 1, 0
+            if self.cfg.checkpointing_steps == "epoch":
+                self.guard.checkpoint()
+
+    def _micro_step(self, batch: dict, planned) -> None:
+        """Forward, backward, and the update at the end of a window, where gradients are all-reduced."""
+        with self.runtime.accumulate(self.model):
+            loss = self.task.loss(self.model, batch)
+            loss, figures = (loss, None) if torch.is_tensor(loss) else (loss.pop("loss"), loss)
+            self.runtime.backward(loss * planned.loss_scale)
+            self.guard.note(loss)
+            if self.runtime.sync_gradients:
+                if self.cfg.max_grad_norm > 0:  # clip the gradient; its norm before clipping is logged
+                    self.grad_norm = self.runtime.clip_grad_norm_(self.model, self.cfg.max_grad_norm)
+                    self.guard.note(self.grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad()
+        if planned.num_real:
+            self.meter.add(loss, planned.units, planned.num_real, real_tokens=int(self.sampler.lengths[planned].sum()),
+                           processed_tokens=batch["input_ids"].numel(), figures=figures)
+
+    def _after_step(self, epoch: int) -> None:
+        """Log, evaluate and checkpoint at their cadence, then stop if a signal came."""
+        step, cfg = self.progress.global_step, self.cfg
+        self.progress_bar.update(1)
+        self.guard.step_done()
+        if step % cfg.logging_steps == 0 or step >= self.max_steps:
+            self.guard.check_finite()
+            logs = {**self.meter.interval(), "learning_rate": self.scheduler.get_last_lr()[0], "epoch": epoch}
+            if self.grad_norm is not None:
+                logs["grad_norm"] = float(self.grad_norm)
+            _log_interval(self.runtime, cfg.output_dir, logs, step)
+            self.progress_bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['learning_rate']:.2e}",
+                                          samples_per_s=f"{logs['samples_per_second']:.1f}")
+        if cfg.eval_steps and step % cfg.eval_steps == 0:
+            self.evaluation.at(step)
+        if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0:
+            self.guard.checkpoint()
+        self.guard.stop_if_signalled()
+
+
+class Evaluation:
+    """Exact metrics over the whole evaluation set (each example once, whatever the world size) and every
+    example's outputs in order, computed at most once a step and logged to the trackers; ``before_batch`` runs
+    before each batch, so an evaluation (which may generate for minutes) never keeps a stop waiting."""
+
+    def __init__(self, runtime: Runtime, task: Task, model, eval_loader, before_batch: Callable[[], None]):
+        self.runtime, self.task, self.model, self.eval_loader = runtime, task, model, eval_loader
+        self.before_batch = before_batch
+        self._step, self._latest = None, ({}, ())
+
+    def at(self, step: int) -> tuple[dict[str, float], tuple]:
+        """The ``eval_*`` metrics and the outputs of the model at optimizer step ``step``; the model's mode is kept."""
+        if step != self._step:
+            training = self.model.training
+            self._latest, self._step = self._evaluate(), step
+            self.runtime.log(self._latest[0], step=step)
+            self.model.train(training)
+        return self._latest
+
+    def _evaluate(self) -> tuple[dict[str, float], tuple]:
+        self.model.eval()
+        batches = []
+        with torch.no_grad():
+            for batch in self.eval_loader:
+                self.before_batch()
+                outputs = self.task.eval_outputs(self.runtime.unwrap(self.model), batch)
+                batches.append([values.cpu() for values in self.runtime.gather_for_metrics(outputs)])
+        outputs = tuple(_concat_padded(list(column)) for column in zip(*batches, strict=True))
+        return {f"eval_{name}": value for name, value in self.task.metrics(outputs).items()}, outputs
+
+
+def _fresh_progress(cfg: TrainConfig, runtime: Runtime, model) -> Progress:
+    """A fresh run's progress, with an identity of its own (which only the main process records) and the hash of
+    the frozen weights it trains on (taken while the model is whole, before it is sharded), which a resume checks."""
+    return Progress(world_size=runtime.world_size, runtime=runtime.name, seed=cfg.seed, run_id=uuid.uuid4().hex,
+                    per_device_train_batch_size=cfg.per_device_train_batch_size,
+                    gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                    frozen_weights=frozen_weights_digest(model))
+
+
+def _start_line(task: Task, cfg: TrainConfig, runtime: Runtime, source: str, setup, sampler: GlobalBatchSampler,
+                schedule: Schedule) -> str:
+    truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None else setup.truncated)
+    return (f"training {task.name} on {source}: {len(setup.train_set)} examples ({truncated} cut "
+            f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {schedule.max_steps} steps, "
+            f"{runtime.world_size} process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU thread(s) "
+            f"each [{runtime.name}]")
 
 
 def _finish_pushes(hub: HubPusher, cfg: TrainConfig, results: dict, stopped_at: Callable[[], float]) -> None:
@@ -288,25 +331,6 @@ def _finish_pushes(hub: HubPusher, cfg: TrainConfig, results: dict, stopped_at: 
         if failed and cfg.hub_strict:
             raise UserError(f"{len(failed)} of {len(pushes)} Hub pushes failed and --hub_strict is set; "
                             f"the model is saved in {cfg.output_dir}")
-
-
-def _check_finite_model(runtime: Runtime, model, step: int, learning_rate: float, eval_loss: float | None = None
-                        ) -> None:
-    """Raise on every process when a weight of the model (of any process's shard) or ``eval_loss`` is not finite:
-    a finite loss and gradient can still be followed by an update that is not (a learning rate beyond float32), and
-    such a model is never saved or pushed.
-
-    Raises:
-        UserError: the first of the two that is not finite, named.
-    """
-    weights = [p.to_local() if isinstance(p, DTensor) else p for p in runtime.unwrap(model).parameters()]
-    local = not bool(torch.stack([torch.isfinite(w).all() for w in weights]).all())
-    bad_weights, bad_loss = runtime.max_over_processes([float(local), float(not math.isfinite(eval_loss or 0.0))])
-    what = "a weight" if bad_weights else "the evaluation loss" if bad_loss else None
-    if what:
-        raise UserError(f"{what} was not finite after step {step}, so nothing from that step on was saved; lower "
-                        f"--learning_rate (now {learning_rate}), keep --max_grad_norm above 0, look for extreme rows "
-                        "in the data, and resume from the last checkpoint")
 
 
 def _starting_checkpoint(cfg: TrainConfig, env: LaunchEnvironment, launch: str) -> tuple[Path | None, bool]:
@@ -349,35 +373,6 @@ def _main_process_choice(runtime: Runtime, chosen: Path | None, output_dir: str)
     if step == -2:
         return chosen
     return None if step < 0 else checkpoint_path(output_dir, int(step))
-
-
-def _stop(runtime: Runtime, hub: HubPusher, checkpoint: Path, signal_number: int, signal_time: float,
-          step: int) -> None:
-    """Report the stop, give the checkpoint's push what is left of the stop's time budget (the uploader goes on
-    by itself after that), and raise ``Stopped``; leaving the runtime's context then flushes the trackers."""
-    delay = time.time() - signal_time
-    runtime.log({"stop_signal_to_checkpoint_seconds": delay}, step=step)
-    runtime.print(f"stopped by {signal.Signals(signal_number).name} at step {step}: {checkpoint} was complete on disk "
-                  f"{delay:.1f} s after the signal; run the same command with --resume_from_checkpoint latest to "
-                  "continue")
-    hub.finish(stopped_at=lambda: signal_time)
-    raise Stopped(f"stopped by {signal.Signals(signal_number).name} at step {step}")
-
-
-def _evaluate(runtime: Runtime, task: Task, model, eval_loader, stop_if_signalled: Callable[[], None]
-              ) -> tuple[dict[str, float], tuple]:
-    """Exact metrics over the whole evaluation set (each example once, whatever the world size), and
-    every example's outputs in order. ``stop_if_signalled`` runs before each batch: an evaluation (which may
-    generate for minutes) never keeps a stop waiting."""
-    model.eval()
-    batches = []
-    with torch.no_grad():
-        for batch in eval_loader:
-            stop_if_signalled()
-            gathered = runtime.gather_for_metrics(task.eval_outputs(runtime.unwrap(model), batch))
-            batches.append([values.cpu() for values in gathered])
-    outputs = tuple(_concat_padded(list(column)) for column in zip(*batches, strict=True))
-    return {f"eval_{name}": value for name, value in task.metrics(outputs).items()}, outputs
 
 
 def _concat_padded(tensors: list[torch.Tensor], pad_index: int = -100) -> torch.Tensor:

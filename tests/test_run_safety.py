@@ -163,6 +163,30 @@ def test_weights_an_update_made_non_finite_are_never_saved(small_data, tiny_bert
     assert {name: digest for name, digest in snapshot(out).items() if name != "log_history.jsonl"} == before
 
 
+def test_a_model_whose_evaluation_loss_is_not_finite_is_never_saved(small_data, tiny_bert, tmp_path, monkeypatch):
+    """Finite weights with a non-finite evaluation loss (the evaluation made to report NaN here, in this process)
+    stop the final save: the earlier model stays."""
+    import finetune.loop
+
+    evaluate = finetune.loop.Evaluation._evaluate
+
+    def nan_loss(self):
+        metrics, outputs = evaluate(self)
+        return {**metrics, "eval_loss": float("nan")}, outputs
+
+    monkeypatch.setattr(finetune.loop.Evaluation, "_evaluate", nan_loss)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_text("the earlier run's model")
+    before = snapshot(out)
+    result = train_here("classify", *classify_flags(small_data, tiny_bert, "--max_train_steps", "2",
+                                                    "--overwrite_output_dir", "--output_dir", str(out)), check=False)
+    error = one_error_line(result.returncode, result.stderr)
+    assert error.startswith("error: the evaluation loss was not finite after step 2, so nothing from that step on was "
+                            "saved")
+    assert {name: digest for name, digest in snapshot(out).items() if name != "log_history.jsonl"} == before
+
+
 def test_a_resume_from_an_earlier_step_of_the_folder_s_own_run_is_refused(small_data, tmp_path):
     """The run went on to step_20: resuming step_5 into the same folder would leave step_15 and step_20 beside the
     new trajectory's checkpoints, and `latest` would continue the abandoned one."""
