@@ -1,4 +1,5 @@
-"""One exception type for mistakes a user can fix, and the entry point that reports them."""
+"""The two ways a run ends early on purpose: a mistake the user can fix (``UserError``, one line, exit 2) and a stop
+on a signal after a checkpoint (``Stopped``, exit 143); and the entry point that reports them."""
 
 from __future__ import annotations
 

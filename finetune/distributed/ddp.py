@@ -1,4 +1,4 @@
-"""Raw ``torch.distributed`` data parallelism, as plain functions and as a ``Runtime``.
+"""Raw ``torch.distributed`` data parallelism, as plain functions a training loop of one's own can call.
 
 Launch with ``torchrun --nproc_per_node=N script.py``. The functions are public so a training script of
 your own can use them directly::
