@@ -26,6 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from finetune.config import parse_config  # noqa: E402
 from finetune.data.cache import load_or_build  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def recipe_metrics(recipe_name: str, arguments: str, task_class: str, flags: lis
     spec = importlib.util.spec_from_file_location(f"{recipe_name}_recipe", REPO / "recipes" / f"{recipe_name}.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    cfg, args = recipe.parse_config(getattr(recipe, arguments), flags, defaults=recipe.DEFAULTS)
+    cfg, args = parse_config(getattr(recipe, arguments), flags, defaults=recipe.DEFAULTS)
     task = getattr(recipe, task_class)(args)
     tokenizer = task.load_tokenizer(cfg)
     setup = task.setup(cfg, tokenizer, load_or_build(task, cfg, tokenizer))

@@ -21,12 +21,13 @@ import torch
 import transformers
 
 from finetune.checkpointing.checkpoint import save_model
-from finetune.config import arg, parse_config
+from finetune.config import arg
 from finetune.data.batching import TokenizedDataset
-from finetune.data.embedded.support_tickets import make_support_tickets
+from finetune.data.embedded.support_tickets import SUPPORT_TICKETS
 from finetune.data.sources import check_columns, load_splits
 from finetune.errors import run_main
-from finetune.models.loading import default_model_path, from_pretrained
+from finetune.models.loading import load_encoder_tokenizer, load_labelled_encoder
+from finetune.recipe import run_recipe
 from finetune.task import ModelCardInfo, TaskSetup
 from finetune.tasks.classification import encode_labels, tokenize_texts
 from finetune.tasks.metrics import classification_metrics
@@ -52,14 +53,10 @@ class ClassifyTask:
         self.args = args
         self.text_columns = [args.text_column] + ([args.text_pair_column] if args.text_pair_column else [])
 
-    def load_tokenizer(self, cfg):
-        return from_pretrained(transformers.AutoTokenizer, cfg.model_name_or_path or default_model_path(),
-                               trust_remote_code=cfg.trust_remote_code)
+    load_tokenizer = staticmethod(load_encoder_tokenizer)
 
     def load_data(self, cfg):
-        return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
-                           cfg.trust_remote_code, make_support_tickets, "support tickets (embedded default)",
-                           reread=cfg.overwrite_cache)
+        return load_splits(cfg, SUPPORT_TICKETS)
 
     def data_options(self, cfg):
         return {"text_columns": self.text_columns, "label_column": self.args.label_column,
@@ -74,10 +71,7 @@ class ClassifyTask:
 
     def setup(self, cfg, tokenizer, data):
         self.label_names = data.info["label_names"]
-        model = from_pretrained(
-            transformers.AutoModelForSequenceClassification, cfg.model_name_or_path or default_model_path(),
-            num_labels=len(self.label_names), id2label=dict(enumerate(self.label_names)),
-            label2id={n: i for i, n in enumerate(self.label_names)}, trust_remote_code=cfg.trust_remote_code)
+        model = load_labelled_encoder(transformers.AutoModelForSequenceClassification, cfg, self.label_names)
         return TaskSetup(TokenizedDataset(data.train), TokenizedDataset(data.validation),
                          transformers.DataCollatorWithPadding(tokenizer), model,
                          summary=f"{len(self.label_names)} labels")
@@ -105,11 +99,8 @@ class ClassifyTask:
 
 
 def main(argv=None):
-    cfg, args = parse_config(ClassifyArguments, argv, defaults={"output_dir": "outputs/classify"},
-                             description="Fine-tune a transformer for text classification.")
-    from finetune.loop import train  # the training libraries load once the flags are known to be good
-
-    train(ClassifyTask(args), cfg, args)
+    run_recipe(ClassifyTask, ClassifyArguments, argv, description="Fine-tune a transformer for text classification.",
+               defaults={"output_dir": "outputs/classify"})
 
 
 if __name__ == "__main__":

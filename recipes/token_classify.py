@@ -21,12 +21,13 @@ import torch
 import transformers
 
 from finetune.checkpointing.checkpoint import save_model
-from finetune.config import arg, parse_config
+from finetune.config import arg
 from finetune.data.batching import TokenizedDataset
-from finetune.data.embedded.tagged_tickets import make_tagged_tickets
+from finetune.data.embedded.tagged_tickets import TAGGED_TICKETS
 from finetune.data.sources import check_columns, load_splits
 from finetune.errors import run_main
-from finetune.models.loading import default_model_path, from_pretrained
+from finetune.models.loading import load_encoder_tokenizer, load_labelled_encoder
+from finetune.recipe import run_recipe
 from finetune.task import ModelCardInfo, TaskSetup
 from finetune.tasks.metrics import load_metric
 from finetune.tasks.tagging import IGNORE, align_labels, count_cut, encode_tags, first_pieces, read_conll
@@ -54,14 +55,10 @@ class TokenClassifyTask:
     def __init__(self, args: TokenClassifyArguments):
         self.args = args
 
-    def load_tokenizer(self, cfg):
-        return from_pretrained(transformers.AutoTokenizer, cfg.model_name_or_path or default_model_path(),
-                               trust_remote_code=cfg.trust_remote_code)
+    load_tokenizer = staticmethod(load_encoder_tokenizer)
 
     def load_data(self, cfg):
-        return load_splits(cfg.train_file, cfg.validation_file, cfg.dataset_name, cfg.dataset_config_name,
-                           cfg.trust_remote_code, make_tagged_tickets, "tagged support tickets (embedded default)",
-                           readers={".conll": read_conll, ".txt": read_conll}, reread=cfg.overwrite_cache)
+        return load_splits(cfg, TAGGED_TICKETS, readers={".conll": read_conll, ".txt": read_conll})
 
     def data_options(self, cfg):
         return {"text_column": self.args.text_column, "label_column": self.args.label_column,
@@ -81,10 +78,7 @@ class TokenClassifyTask:
         self.eval_words = data.validation["words"]
         self.eval_word_ids = data.validation["word_ids"]
         self.eval_firsts = [first_pieces(word_ids) for word_ids in self.eval_word_ids]  # where each word is read
-        model = from_pretrained(
-            transformers.AutoModelForTokenClassification, cfg.model_name_or_path or default_model_path(),
-            num_labels=len(self.tags), id2label=dict(enumerate(self.tags)),
-            label2id={t: i for i, t in enumerate(self.tags)}, trust_remote_code=cfg.trust_remote_code)
+        model = load_labelled_encoder(transformers.AutoModelForTokenClassification, cfg, self.tags)
         return TaskSetup(TokenizedDataset(data.train), TokenizedDataset(data.validation, ["input_ids", "labels"]),
                          transformers.DataCollatorForTokenClassification(tokenizer), model,
                          summary=f"{len(self.tags)} tags, {data.info['validation_cut']} validation sentence(s) cut "
@@ -125,11 +119,8 @@ class TokenClassifyTask:
 
 
 def main(argv=None):
-    cfg, args = parse_config(TokenClassifyArguments, argv, description="Fine-tune a transformer to tag words.",
-                             defaults={"output_dir": "outputs/token_classify", "num_train_epochs": 3})
-    from finetune.loop import train  # the training libraries load once the flags are known to be good
-
-    train(TokenClassifyTask(args), cfg, args)
+    run_recipe(TokenClassifyTask, TokenClassifyArguments, argv, description="Fine-tune a transformer to tag words.",
+               defaults={"output_dir": "outputs/token_classify", "num_train_epochs": 3})
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
 import pytest
 
-from finetune.data.embedded.support_tickets import make_support_tickets
+from finetune.config import TrainConfig
+from finetune.data.embedded.support_tickets import SUPPORT_TICKETS
 from finetune.data.sources import load_splits
 from finetune.errors import UserError
 from finetune.tasks.classification import encode_labels
 
 
+def read(train, validation):
+    return load_splits(TrainConfig(train_file=str(train), validation_file=str(validation)), SUPPORT_TICKETS)[0]
+
+
 def load(train, validation):
-    raw, _ = load_splits(str(train), str(validation), None, None, False, make_support_tickets, "default")
+    raw = read(train, validation)
     return encode_labels(raw["train"], raw["validation"], "label")
 
 
@@ -46,8 +51,7 @@ def test_a_tsv_text_that_starts_with_a_quote_stays_one_row(tmp_path):
     rows = ['"Quoted" praise for the app\tpos', "the refund never came\tneg", '"half-open quote\tneg', "fine\tpos"]
     for split in ("train", "validation"):
         (tmp_path / f"{split}.tsv").write_text("text\tlabel\n" + "\n".join(rows) + "\n")
-    raw, _ = load_splits(str(tmp_path / "train.tsv"), str(tmp_path / "validation.tsv"), None, None, False,
-                         make_support_tickets, "default")
+    raw = read(tmp_path / "train.tsv", tmp_path / "validation.tsv")
     assert list(raw["train"]["text"]) == ['"Quoted" praise for the app', "the refund never came",
                                           '"half-open quote', "fine"]
 

@@ -26,6 +26,7 @@ from helpers import (
     write_csv,
 )
 
+from finetune.config import parse_config
 from finetune.data.cache import cache_folder, load_or_build
 from finetune.data.sources import file_digest
 from finetune.errors import UserError
@@ -33,14 +34,14 @@ from finetune.errors import UserError
 
 def recipe_task(name: str, task: str, arguments: str, flags: list[str]):
     module = load_recipe(name)
-    cfg, args = module.parse_config(getattr(module, arguments), flags)
+    cfg, args = parse_config(getattr(module, arguments), flags)
     made = getattr(module, task)(args)
     return made, cfg, made.load_tokenizer(cfg)
 
 
 def classify(flags: list[str]):
     recipe = load_recipe()
-    cfg, args = recipe.parse_config(recipe.ClassifyArguments, flags)
+    cfg, args = parse_config(recipe.ClassifyArguments, flags)
     task = recipe.ClassifyTask(args)
     return task, cfg, task.load_tokenizer(cfg)
 
@@ -180,6 +181,7 @@ def test_a_build_killed_half_way_is_never_read(small_data, tmp_path):
 import sys, time
 sys.path.insert(0, {str(REPO / 'tests')!r})
 from helpers import load_recipe
+from finetune.config import parse_config
 from finetune.data.cache import Tokenizing, load_or_build
 original = Tokenizing.map
 def map_then_hang(self, split, fn, name, features):
@@ -188,7 +190,7 @@ def map_then_hang(self, split, fn, name, features):
     time.sleep(600)
 Tokenizing.map = map_then_hang
 recipe = load_recipe()
-cfg, args = recipe.parse_config(recipe.ClassifyArguments, {flags!r})
+cfg, args = parse_config(recipe.ClassifyArguments, {flags!r})
 task = recipe.ClassifyTask(args)
 load_or_build(task, cfg, task.load_tokenizer(cfg))
 """], stdout=subprocess.PIPE, text=True)
@@ -416,13 +418,14 @@ def test_tokenizing_workers_die_with_a_build_that_is_killed(small_data, tmp_path
 import os, sys, time
 sys.path.insert(0, {str(REPO / 'tests')!r})
 from helpers import load_recipe
+from finetune.config import parse_config
 from finetune.data import cache
 def hang(self, batch, rows):
     print("worker", os.getpid(), flush=True)
     time.sleep(600)
 cache._Guarded.__call__ = hang
 recipe = load_recipe()
-cfg, args = recipe.parse_config(recipe.ClassifyArguments, {flags!r})
+cfg, args = parse_config(recipe.ClassifyArguments, {flags!r})
 task = recipe.ClassifyTask(args)
 cache.load_or_build(task, cfg, task.load_tokenizer(cfg))
 """], stdout=subprocess.PIPE, text=True)

@@ -24,6 +24,7 @@ from helpers import (
 )
 from transformers import AutoModelForTokenClassification, AutoTokenizer, pipeline
 
+from finetune.config import parse_config
 from finetune.data.cache import load_or_build
 from finetune.data.embedded.tagged_tickets import TAG_NAMES, make_tagged_tickets
 from finetune.tasks.tagging import IGNORE, entities, entity_scores
@@ -207,7 +208,7 @@ def test_the_loss_is_the_mean_over_labelled_sub_tokens(tagged_data, tiny_bert, t
     """The task's sum over a batch, divided by the loss units the loop divides by, is cross-entropy's own mean over
     the sub-tokens that carry a label: padding and untrained pieces (-100) count for nothing."""
     recipe = load_recipe("token_classify")
-    cfg, args = recipe.parse_config(recipe.TokenClassifyArguments, [*tagged_data, "--model_name_or_path",
+    cfg, args = parse_config(recipe.TokenClassifyArguments, [*tagged_data, "--model_name_or_path",
                                                                     str(tiny_bert), "--output_dir", str(tmp_path)])
     task = recipe.TokenClassifyTask(args)
     tokenizer = task.load_tokenizer(cfg)
@@ -229,7 +230,7 @@ def test_the_loss_is_the_mean_over_labelled_sub_tokens(tagged_data, tiny_bert, t
 def test_the_recipe_trains_first_pieces_only_unless_label_all_tokens(tagged_data, tmp_path, label_all_tokens):
     recipe = load_recipe("token_classify")
     flags = [*tagged_data, "--output_dir", str(tmp_path / "out")] + ["--label_all_tokens"] * label_all_tokens
-    cfg, args = recipe.parse_config(recipe.TokenClassifyArguments, flags)
+    cfg, args = parse_config(recipe.TokenClassifyArguments, flags)
     task = recipe.TokenClassifyTask(args)
     tokenizer = task.load_tokenizer(cfg)
     train_set = load_or_build(task, cfg, tokenizer).train

@@ -14,6 +14,7 @@ import datasets
 import xxhash
 from huggingface_hub import constants
 
+from finetune.data.embedded import EmbeddedDataset
 from finetune.errors import UserError
 
 __all__ = ["FILE_BUILDERS", "check_columns", "file_digest", "load_splits"]
@@ -22,30 +23,30 @@ FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"
 """File extensions ``datasets`` reads, and the builder for each."""
 
 
-def load_splits(train_file: str | None, validation_file: str | None, dataset_name: str | None,
-                dataset_config_name: str | None, trust_remote_code: bool,
-                default: Callable[[], datasets.DatasetDict], default_name: str,
-                readers: dict[str, Callable[[str], datasets.Dataset]] | None = None, reread: bool = False
+def load_splits(cfg, default: EmbeddedDataset, readers: dict[str, Callable[[str], datasets.Dataset]] | None = None
                 ) -> tuple[datasets.DatasetDict, str]:
-    """``(DatasetDict with train and validation, a description of the source)``.
+    """``(DatasetDict with train and validation, a description of the source)`` for ``cfg``'s data options
+    (``--train_file``/``--validation_file``, ``--dataset_name``/``--dataset_config_name``, ``--trust_remote_code``,
+    ``--overwrite_cache``).
 
     Files are read by extension (``FILE_BUILDERS``, plus a recipe's own ``readers``); without files or a
-    dataset name, ``default()`` is the data. ``datasets`` keeps its Arrow copy of a file per content
-    (``file_digest``), so an edit that keeps the file's modification time is read; ``reread`` (``--overwrite_cache``)
+    dataset name, the recipe's ``default`` is the data. ``datasets`` keeps its Arrow copy of a file per content
+    (``file_digest``), so an edit that keeps the file's modification time is read; ``--overwrite_cache``
     reads the files again even so.
 
     Raises:
         UserError: missing or unreadable files, a Hub dataset that cannot be had or lacks a split, an empty split.
     """
-    if train_file:
-        raw = datasets.DatasetDict(train=_load_file(train_file, "--train_file", readers or {}, reread),
-                                   validation=_load_file(validation_file, "--validation_file", readers or {}, reread))
-        source = f"{train_file} + {validation_file}"
-    elif dataset_name:
-        raw = _load_hub_dataset(dataset_name, dataset_config_name, trust_remote_code)
-        source = dataset_name + (f"/{dataset_config_name}" if dataset_config_name else "")
+    if cfg.train_file:
+        readers, reread = readers or {}, cfg.overwrite_cache
+        raw = datasets.DatasetDict(train=_load_file(cfg.train_file, "--train_file", readers, reread),
+                                   validation=_load_file(cfg.validation_file, "--validation_file", readers, reread))
+        source = f"{cfg.train_file} + {cfg.validation_file}"
+    elif cfg.dataset_name:
+        raw = _load_hub_dataset(cfg.dataset_name, cfg.dataset_config_name, cfg.trust_remote_code)
+        source = cfg.dataset_name + (f"/{cfg.dataset_config_name}" if cfg.dataset_config_name else "")
     else:
-        return default(), default_name
+        return default.make(), default.name
     for split, flag in (("train", "--train_file"), ("validation", "--validation_file")):
         if len(raw[split]) == 0:
             raise UserError(f"{split} data is empty; give {flag} a file with at least one row")

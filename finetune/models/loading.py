@@ -11,7 +11,7 @@ from huggingface_hub import constants
 from finetune.errors import UserError
 
 __all__ = ["chat_model_folder", "default_chat_model_path", "default_model_path", "from_pretrained",
-           "optimizer_param_groups"]
+           "load_encoder_tokenizer", "load_labelled_encoder", "optimizer_param_groups"]
 
 CHAT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -80,6 +80,22 @@ def from_pretrained(auto_class, name_or_path: str, **kwargs):
             ) from None
         first_line = str(err).strip().splitlines()[0]
         raise UserError(f"--model_name_or_path {name_or_path} could not be loaded: {first_line}") from None
+
+
+def load_encoder_tokenizer(cfg):
+    """The tokenizer of ``--model_name_or_path``, by default the embedded MiniLM's."""
+    import transformers
+
+    return from_pretrained(transformers.AutoTokenizer, cfg.model_name_or_path or default_model_path(),
+                           trust_remote_code=cfg.trust_remote_code)
+
+
+def load_labelled_encoder(auto_class, cfg, label_names: list[str]):
+    """``--model_name_or_path`` (by default the embedded MiniLM) with ``auto_class``'s new head for ``label_names``
+    (a sequence or token classification head), the names in its configuration for pipelines to show."""
+    return from_pretrained(auto_class, cfg.model_name_or_path or default_model_path(), num_labels=len(label_names),
+                           id2label=dict(enumerate(label_names)), label2id={n: i for i, n in enumerate(label_names)},
+                           trust_remote_code=cfg.trust_remote_code)
 
 
 def optimizer_param_groups(model, weight_decay: float) -> list[dict]:

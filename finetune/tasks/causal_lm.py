@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -24,13 +25,13 @@ from finetune.distributed.ddp import all_reduce_max, unwrap
 from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
 from finetune.models.loading import default_chat_model_path, from_pretrained
-from finetune.models.lora import save_adapter
+from finetune.models.lora import add_lora, save_adapter
 from finetune.task import ModelCardInfo
-from finetune.tasks.chat import IGNORE, require_chat_template
+from finetune.tasks.chat import IGNORE, require_chat_template, write_generations
 
-__all__ = ["CausalLMArguments", "ChatModelArguments", "chat_model_card", "check_output_layer", "decode_replies",
-           "greedy_replies", "label_log_probs", "language_model_collators", "load_chat_tokenizer", "save_chat_model",
-           "shared_prompt_log_probs", "split_by_tokens", "summed_log_probs"]
+__all__ = ["CausalLMArguments", "ChatModelArguments", "ChatTask", "EvalReplies", "adapt_chat_model", "chat_model_card",
+           "check_output_layer", "decode_replies", "greedy_replies", "label_log_probs", "language_model_collators",
+           "load_chat_tokenizer", "save_chat_model", "shared_prompt_log_probs", "split_by_tokens", "summed_log_probs"]
 
 LOGITS_PER_CHUNK = 2**24
 """Logits computed at once (64 MiB in float32): a chunk holds ``LOGITS_PER_CHUNK // vocabulary`` positions."""
@@ -99,6 +100,70 @@ def load_chat_tokenizer(cfg, chat_template: str | None):
     tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
     require_chat_template(tokenizer, chat_template, model_path)
     return tokenizer
+
+
+class ChatTask:
+    """What the chat recipes' tasks share: the tokenizer with its chat template, the data cache's options, the
+    model card, and the save (the adapter, or without LoRA the whole model). A subclass names ``what`` it tunes for."""
+
+    what: str
+
+    def __init__(self, args: ChatModelArguments):
+        self.args = args
+        self.card = chat_model_card(self.what, args.use_lora)
+
+    def load_tokenizer(self, cfg):
+        return load_chat_tokenizer(cfg, self.args.chat_template)
+
+    def data_options(self, cfg):
+        return {"max_seq_length": cfg.max_seq_length}  # the chat template is the tokenizer's, which the key hashes
+
+    def save(self, model, state_dict, tokenizer, output_dir):
+        save_chat_model(model, state_dict, tokenizer, output_dir, self.args)
+
+
+def adapt_chat_model(model, args: ChatModelArguments) -> tuple[torch.nn.Module, str]:
+    """``model`` with LoRA adapters unless ``--no_use_lora``, its output layer checked; and how the start-up line
+    names the adapters ("" without)."""
+    if args.use_lora:
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+    check_output_layer(model)
+    return model, f"LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else ""
+
+
+class EvalReplies:
+    """Greedy replies to the first validation prompts at each evaluation (``--eval_generate``; by default all of
+    them where the data has a check of its replies, else none): generated in token budgets, decoded, scored by the
+    data's ``score_replies`` against ``answers`` where it has one (the embedded data), and written with their
+    prompts and reference replies to ``eval_generations.jsonl``.
+
+    ``validation`` is the split tokenized with generation prompts (``prompt_ids``, ``prompt_messages``,
+    ``reference``).
+    """
+
+    def __init__(self, validation, tokenizer, args: ChatModelArguments, answers: list | None = None,
+                 score_replies=None):
+        count = args.eval_generate if args.eval_generate is not None else len(validation) if answers else 0
+        self.prompted = validation.select(range(min(count, len(validation))))
+        self.prompts = list(self.prompted["prompt_ids"])
+        self.tokenizer, self.args, self.answers, self.score_replies = tokenizer, args, answers, score_replies
+
+    def generate(self, model, index: torch.Tensor) -> torch.Tensor:
+        """The replies of an evaluation batch's rows ``index`` (``greedy_replies``), to gather with its outputs."""
+        return greedy_replies(model, index, self.prompts, self.tokenizer, self.args.max_new_tokens,
+                              self.args.per_device_eval_max_tokens)
+
+    def texts(self, replies: torch.Tensor) -> list[str]:
+        """The gathered ``replies`` of the prompted rows, as text."""
+        return decode_replies(replies, len(self.prompts), self.tokenizer)
+
+    def metrics(self, replies: torch.Tensor) -> dict[str, float]:
+        texts = self.texts(replies)
+        return self.score_replies(texts, self.answers) if self.answers and texts else {}
+
+    def write(self, replies: torch.Tensor, output_dir: str) -> None:
+        if self.prompts:
+            write_generations(os.path.join(output_dir, "eval_generations.jsonl"), self.prompted, self.texts(replies))
 
 
 def save_chat_model(model, state_dict: dict, tokenizer, output_dir: str, args: ChatModelArguments) -> None:

@@ -32,13 +32,14 @@ from finetune.data.batching import LENGTH, LOSS_UNITS
 from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.distributed.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
-from finetune.tasks.causal_lm import label_log_probs, shared_prompt_log_probs
+from finetune.models.loading import default_chat_model_path, from_pretrained
+from finetune.tasks.causal_lm import adapt_chat_model, label_log_probs, shared_prompt_log_probs
 from finetune.tasks.chat import IGNORE, check_conversation, render_reply_spans
 
-__all__ = ["LOSS_TYPES", "PairCollator", "Precomputation", "PromptRepliesCollator", "Reference", "check_loss_options",
-           "dpo_loss", "is_adapter_folder", "load_causal_lm", "pair_figures", "pair_log_probs", "pair_metrics",
-           "precomputed_reference", "preference_layout", "read_pairs", "reference_key", "tokenize_pairs",
-           "write_pair_predictions"]
+__all__ = ["LOSS_TYPES", "PAIR_FIGURES", "PairCollator", "Precomputation", "PromptRepliesCollator", "Reference",
+           "check_loss_options", "dpo_loss", "is_adapter_folder", "load_causal_lm", "load_policy_and_reference",
+           "pair_figures", "pair_log_probs", "pair_metrics", "precomputed_reference", "preference_layout", "read_pairs",
+           "reference_key", "tokenize_pairs", "write_pair_predictions"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
 
@@ -264,6 +265,11 @@ def dpo_loss(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor
     raise ValueError(f"unknown loss type {loss_type!r}")
 
 
+PAIR_FIGURES = ("rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
+                "logps_rejected")
+"""What ``pair_figures`` reports, each logged per pair (a recipe's ``logged_figures``)."""
+
+
 def pair_figures(policy: torch.Tensor, rewards: torch.Tensor) -> dict[str, torch.Tensor]:
     """What a run reports of its pairs, each summed over them: the rewards (``dpo_loss``) of both replies, their
     margin, how many pairs reward the chosen reply strictly higher, and the policy's summed log-probabilities."""
@@ -361,8 +367,6 @@ def load_causal_lm(name_or_path: str, **kwargs):
     """
     import transformers
 
-    from finetune.models.loading import from_pretrained
-
     if not is_adapter_folder(name_or_path):
         return from_pretrained(transformers.AutoModelForCausalLM, name_or_path, **kwargs)
     from peft import PeftConfig, PeftModel
@@ -376,6 +380,33 @@ def load_causal_lm(name_or_path: str, **kwargs):
                         f"({err}); give the base model's folder as base_model_name_or_path in adapter_config.json"
                         ) from None
     return PeftModel.from_pretrained(base, folder).merge_and_unload()
+
+
+def load_policy_and_reference(cfg, args, data_folder: Path, train_set, eval_collate, table_path: Path
+                              ) -> tuple[torch.nn.Module, Reference, str]:
+    """The model preference tuning trains (``--model_name_or_path``, by default the default chat model; an adapter
+    folder is folded into its base), with LoRA unless ``--no_use_lora``; its ``Reference``, whose log-probabilities
+    of ``train_set`` are computed once into ``table_path`` under ``--precompute_ref_log_probs``; and how the
+    start-up line names both.
+
+    Raises:
+        UserError: the model cannot be loaded.
+    """
+    name = cfg.model_name_or_path or default_chat_model_path()
+    model = load_causal_lm(name, trust_remote_code=cfg.trust_remote_code)
+    precomputation = None
+    if args.precompute_ref_log_probs:
+        # The precision as the runtimes take it: the flag, else accelerate launch's configuration.
+        precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        precomputation = Precomputation(train_set, eval_collate, cfg.per_device_eval_batch_size,
+                                        args.per_device_eval_max_tokens, table_path,
+                                        key=reference_key(model, precision, data_folder))
+    model, adapters = adapt_chat_model(model, args)
+    folded = is_adapter_folder(name) and (
+        f"from {name} folded into its base model (the saved adapter applies to that model; --merge_lora also saves "
+        "one that stands alone)")
+    summary = [f"{'precomputed' if precomputation else 'live'} reference", adapters, folded]
+    return model, Reference(model, precomputation), ", ".join(filter(None, summary))
 
 
 def is_adapter_folder(name_or_path: str) -> bool:

@@ -1,8 +1,8 @@
 """The embedded default data of the preference recipe: pairs of replies to the chat recipe's support tickets.
 
-Each pair's prompt is a support conversation's system line and ticket (``finetune.data.embedded.support_chats``);
-the chosen reply is that conversation's reply, which names the team owning the ticket; the rejected reply names
-another team with the same sentence after it, or is a curt reply that names no team (half each, by a fixed seed).
+Each pair's prompt is a support conversation's system line and ticket (``support_chats``); the chosen
+reply is that conversation's reply, which names the team owning the ticket; the rejected reply names another
+team with the same sentence after it, or is a curt reply that names no team (half each, by a fixed seed).
 Validation pairs come from the chat data's validation tickets, less any whose prompt a training pair has.
 Few and short, for a default run of a few minutes on two CPU cores.
 """
@@ -13,10 +13,11 @@ import random
 
 from datasets import Dataset, DatasetDict
 
-from finetune.data.embedded.support_chats import make_support_conversations
+from finetune.data.embedded import EmbeddedDataset
+from finetune.data.embedded.support_chats import make_support_conversations, routing_metrics
 from finetune.data.embedded.support_tickets import LABEL_NAMES
 
-__all__ = ["make_preference_pairs"]
+__all__ = ["PREFERENCE_PAIRS", "make_preference_pairs"]
 
 NUM_TRAIN, NUM_EVAL = 120, 32
 _SEED = 20261201
@@ -51,3 +52,7 @@ def make_preference_pairs() -> DatasetDict:
     train = pairs("train", NUM_TRAIN)
     validation = pairs("validation", NUM_EVAL, unseen=train)
     return DatasetDict(train=Dataset.from_dict(train), validation=Dataset.from_dict(validation))
+
+
+PREFERENCE_PAIRS = EmbeddedDataset("support preference pairs (embedded default)", make_preference_pairs,
+                                   answer_column="team", score_replies=routing_metrics)

@@ -12,9 +12,11 @@ import random
 
 from datasets import Dataset, DatasetDict
 
+from finetune.data.embedded import EmbeddedDataset
 from finetune.data.embedded.support_tickets import LABEL_NAMES, make_support_tickets
 
-__all__ = ["SYSTEM_PROMPT", "make_support_conversations", "routed_team", "routing_accuracy"]
+__all__ = ["SUPPORT_CHATS", "SYSTEM_PROMPT", "make_support_conversations", "routed_team", "routing_accuracy",
+           "routing_metrics"]
 
 SYSTEM_PROMPT = "Route the ticket: name the team, then reply."
 NUM_TRAIN, NUM_EVAL = 160, 48
@@ -63,3 +65,11 @@ def routed_team(reply: str) -> str | None:
 def routing_accuracy(replies: list[str], teams: list[str]) -> float:
     """The share of ``replies`` whose first line names the right team (of the first ``len(replies)`` tickets)."""
     return sum(routed_team(reply) == team for reply, team in zip(replies, teams, strict=False)) / len(replies)
+
+
+def routing_metrics(replies: list[str], teams: list[str]) -> dict[str, float]:
+    return {"routing_accuracy": routing_accuracy(replies, teams)}
+
+
+SUPPORT_CHATS = EmbeddedDataset("support conversations (embedded default)", make_support_conversations,
+                                answer_column="team", score_replies=routing_metrics)

@@ -12,7 +12,9 @@ import random
 
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
-__all__ = ["LABEL_NAMES", "make_support_tickets"]
+from finetune.data.embedded import EmbeddedDataset
+
+__all__ = ["LABEL_NAMES", "SUPPORT_TICKETS", "make_support_tickets"]
 
 LABEL_NAMES = ["billing", "technical", "shipping", "account"]
 _LABEL_SHARES = [0.38, 0.27, 0.20, 0.15]
@@ -153,3 +155,6 @@ def make_support_tickets() -> DatasetDict:
         train=Dataset.from_dict(_split(rng, NUM_TRAIN), features=features),
         validation=Dataset.from_dict(_split(rng, NUM_EVAL), features=features),
     )
+
+
+SUPPORT_TICKETS = EmbeddedDataset("support tickets (embedded default)", make_support_tickets)

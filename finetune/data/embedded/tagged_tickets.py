@@ -15,7 +15,9 @@ import random
 
 from datasets import ClassLabel, Dataset, DatasetDict, Features, Sequence, Value
 
-__all__ = ["ENTITY_TYPES", "TAG_NAMES", "make_tagged_tickets"]
+from finetune.data.embedded import EmbeddedDataset
+
+__all__ = ["ENTITY_TYPES", "TAGGED_TICKETS", "TAG_NAMES", "make_tagged_tickets"]
 
 ENTITY_TYPES = ["ORDER", "PRODUCT", "DATE", "AMOUNT", "EMAIL"]
 TAG_NAMES = ["O"] + [f"{prefix}-{kind}" for kind in ENTITY_TYPES for prefix in ("B", "I")]
@@ -135,3 +137,6 @@ def make_tagged_tickets() -> DatasetDict:
     validation = _split(rng, NUM_EVAL, _TEMPLATES, _PRODUCTS, _DOMAINS)
     return DatasetDict(train=Dataset.from_dict(train, features=features),
                        validation=Dataset.from_dict(validation, features=features))
+
+
+TAGGED_TICKETS = EmbeddedDataset("tagged support tickets (embedded default)", make_tagged_tickets)
