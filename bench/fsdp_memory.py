@@ -27,7 +27,9 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
-from run import free_port, spread, write_chat_data  # noqa: E402
+from harness import free_port  # noqa: E402
+from report import spread  # noqa: E402
+from suites import write_chat_data  # noqa: E402
 
 SIDES = {"ddp": [], "fsdp": ["--fsdp"]}
 

@@ -60,7 +60,7 @@ else
   # that keeps the GPU busy: 512 conversations of about 60 tokens a step, 32 steps.
   step bench-sft 240 python3 bench/run.py --suite sft --repeats 1 --train_examples 16384 \
     --per_device_train_batch_size 512 --results_dir "$out"
-  step bench-training 150 python3 bench/run.py --repeats 1 --results_dir "$out"
+  step bench-classify 150 python3 bench/run.py --suite classify --repeats 1 --results_dir "$out"
 fi
 rm -rf "$scratch"
 cat "$out/summary.txt"
