@@ -20,8 +20,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 import pytest
@@ -63,8 +64,10 @@ def python_cmd(*args, script: str | None = None) -> list[str]:
     return [sys.executable, script or recipe_path(), *args]
 
 
-def accelerate_cmd(*args, num_processes: int = 2, script: str | None = None) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_DDP_CONFIG,
+def accelerate_cmd(*args, num_processes: int = 2, script: str | None = None, config: str | None = None) -> list[str]:
+    """``accelerate launch`` of ``script`` with ``accelerate_configs/CONFIG`` (the CPU DDP one unless given)."""
+    config_file = str(REPO / "accelerate_configs" / config) if config else CPU_DDP_CONFIG
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
             "--num_processes", str(num_processes), "--main_process_port", str(free_port()), script or recipe_path(),
             *args]
 
@@ -166,32 +169,58 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 # -- waiting for and finding processes
 
-def wait_for(condition: Callable[[], object], what: str, job: subprocess.Popen | None = None,
+class Running(Protocol):
+    """What ``wait_for`` watches: a ``subprocess.Popen``, or a job of another kind (a Slurm job) with its two
+    methods. ``str()`` of it names it in a failure."""
+
+    def poll(self) -> object:
+        """None while it runs; once it has ended, how it ended (an exit status, a job state)."""
+
+    def kill(self) -> None:
+        """End it."""
+
+
+def wait_for(condition: Callable[[], object], what: str, job: Running | None = None,
              timeout: float = 300, interval: float = 0.01, log: Path | None = None):
-    """Poll ``condition`` until it is true and return its value; fail if ``job`` ends first or ``timeout``
-    seconds pass (showing ``log``'s end, when given)."""
+    """Poll ``condition`` every ``interval`` seconds until it is true and return its value; fail if ``job`` ends
+    first or ``timeout`` seconds pass (then ending ``job``), showing ``log``'s end, when given."""
     deadline = time.monotonic() + timeout
     while not (found := condition()):
-        ended = job is not None and job.poll() is not None
-        if ended or time.monotonic() > deadline:
-            if job is not None and not ended:
-                job.kill()
-            tail = log.read_text()[-4000:] if log and log.exists() else ""
-            raise AssertionError(f"gave up waiting for {what}" + (" (the job ended)" if ended else "") + f"\n{tail}")
+        ended = job.poll() if job is not None else None
+        if ended is not None or time.monotonic() > deadline:
+            if ended is not None:
+                why = f"{job} ended"
+            else:
+                why = f"not within {timeout} s" + (f" ({job}, now killed)" if job is not None else "")
+                if job is not None:
+                    job.kill()
+            tail = log.read_text(errors="replace")[-6000:] if log and log.exists() else ""
+            raise AssertionError(f"gave up waiting for {what}: {why}\n{tail}")
         time.sleep(interval)
+    return found
+
+
+def training_processes(processes: Iterable[psutil.Process], script: str = "classify.py",
+                       rank: int | None = None) -> list[psutil.Process]:
+    """Of ``processes``, those training ``script``: started by a launcher for it (``RANK`` in their environment,
+    which the launcher's and a batch script's own processes, whose command lines name the script too, lack), of
+    one ``rank`` when given. Processes that have ended meanwhile are left out."""
+    found = []
+    for process in processes:
+        try:
+            if script not in " ".join(process.cmdline()):
+                continue
+            environ = process.environ()
+        except psutil.NoSuchProcess:
+            continue
+        if "RANK" in environ and (rank is None or environ["RANK"] == str(rank)):
+            found.append(process)
     return found
 
 
 def workers(job: subprocess.Popen, script: str = "classify.py", rank: int | None = None) -> list[psutil.Process]:
     """The training processes a launcher started for ``script`` (of one ``rank``, when given)."""
-    found = []
-    for process in psutil.Process(job.pid).children(recursive=True):
-        try:
-            if script in " ".join(process.cmdline()) and (rank is None or process.environ().get("RANK") == str(rank)):
-                found.append(process)
-        except psutil.NoSuchProcess:
-            continue
-    return found
+    return training_processes(psutil.Process(job.pid).children(recursive=True), script, rank)
 
 
 @contextlib.contextmanager

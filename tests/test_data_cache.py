@@ -24,6 +24,7 @@ from helpers import (
     run,
     train_here,
     write_csv,
+    write_jsonl,
 )
 
 from finetune.config import parse_config
@@ -271,13 +272,9 @@ def assert_fetches_start_at_the_checkpoint(ranks: list[dict], checkpoint: Path) 
 
 # -- a local file is known by its content; a cache that cannot be used is built again
 
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
 def tickets(path: Path, labels: str) -> Path:
-    return write_jsonl(path, [{"text": f"ticket number {i}", "label": label} for i, label in enumerate(labels)])
+    write_jsonl(path, [{"text": f"ticket number {i}", "label": label} for i, label in enumerate(labels)])
+    return path
 
 
 def edit_keeping_the_modification_time(path: Path, labels: str) -> None:
@@ -291,7 +288,7 @@ def edit_keeping_the_modification_time(path: Path, labels: str) -> None:
 def test_a_file_edited_with_its_modification_time_kept_is_read_again(tmp_path):
     train = tickets(tmp_path / "t.jsonl", "abab")
     validation = write_jsonl(tmp_path / "v.jsonl", [{"text": "ticket", "label": label} for label in "ab"])
-    flags = ["--train_file", str(train), "--validation_file", str(validation), "--dataset_cache_dir",
+    flags = ["--train_file", str(train), "--validation_file", validation, "--dataset_cache_dir",
              str(tmp_path / "cache")]
     assert list(load_or_build(*classify(flags)).train["labels"]) == [0, 1, 0, 1]
     edit_keeping_the_modification_time(train, "bbaa")
@@ -305,10 +302,10 @@ def test_overwrite_cache_reads_the_raw_files_again_not_datasets_copy_of_them(tmp
 
     train = write_jsonl(tmp_path / "t.jsonl", [{"text": f"note {i}", "label": label} for i, label in enumerate("abab")])
     validation = tickets(tmp_path / "v.jsonl", "ab")
-    flags = ["--train_file", str(train), "--validation_file", str(validation), "--dataset_cache_dir",
+    flags = ["--train_file", train, "--validation_file", str(validation), "--dataset_cache_dir",
              str(tmp_path / "cache")]
     load_or_build(*classify(flags))
-    (copy,) = (Path(os.environ["HF_DATASETS_CACHE"]) / "finetune-files" / file_digest(str(train))).rglob("*.arrow")
+    (copy,) = (Path(os.environ["HF_DATASETS_CACHE"]) / "finetune-files" / file_digest(train)).rglob("*.arrow")
     with ArrowWriter(path=str(copy)) as writer:  # datasets' copy no longer says what the file says
         writer.write_batch({"text": [f"note {i}" for i in range(4)], "label": list("bbab")})
     assert list(load_or_build(*classify([*flags, "--max_seq_length", "40"])).train["labels"]) == [1, 1, 0, 1]
@@ -384,7 +381,7 @@ def test_a_disk_that_fills_during_a_build_is_one_clear_error_and_leaves_nothing(
     from finetune.data.cache import Tokenizing
 
     rows = [{"text": f"please look at ticket number {i} " * 3, "label": "ab"[i % 2]} for i in range(3000)]
-    flags = ["--train_file", str(write_jsonl(tmp_path / "t.jsonl", rows)), "--validation_file",
+    flags = ["--train_file", write_jsonl(tmp_path / "t.jsonl", rows), "--validation_file",
              str(tickets(tmp_path / "v.jsonl", "ab")), "--dataset_cache_dir", str(tmp_path / "cache"),
              "--max_seq_length", "64"]
     task, cfg, tokenizer = classify(flags)
@@ -505,7 +502,7 @@ def test_a_row_of_megabytes_is_not_tokenized_whole(tmp_path, monkeypatch):
 
     rows = [{"text": "please refund my order " * 100_000, "label": "billing"},
             *({"text": f"ticket {i}", "label": "ab"[i % 2]} for i in range(7))]
-    flags = ["--train_file", str(write_jsonl(tmp_path / "t.jsonl", rows)), "--validation_file",
+    flags = ["--train_file", write_jsonl(tmp_path / "t.jsonl", rows), "--validation_file",
              str(tickets(tmp_path / "v.jsonl", "ab")), "--dataset_cache_dir", str(tmp_path / "cache"),
              "--max_seq_length", "32"]
     task, cfg, tokenizer = classify(flags)

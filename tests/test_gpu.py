@@ -8,21 +8,32 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, free_port, max_weight_diff, read_results, run
+from helpers import (
+    accelerate_cmd,
+    log_history,
+    max_weight_diff,
+    read_jsonl,
+    read_results,
+    recipe_path,
+    run,
+    torchrun_cmd,
+)
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from finetune.checkpointing.checkpoint import verify_checkpoint
 
 pytestmark = pytest.mark.gpu
 
-CLASSIFY = str(REPO / "recipes" / "classify.py")
-SFT = str(REPO / "recipes" / "sft.py")
-DPO = str(REPO / "recipes" / "dpo.py")
+CLASSIFY = recipe_path("classify")
+SFT = recipe_path("sft")
+DPO = recipe_path("dpo")
+# accelerate_cmd's configuration, in one process: the run on this one GPU, and FSDP (one shard here)
+ONE_GPU = {"config": "single_gpu.yaml", "num_processes": 1}
+FSDP = {"config": "fsdp.yaml", "num_processes": 1}
 CPU_DEFAULT_ACCURACY = 0.963
 """The classify default run's eval accuracy on the CPU (README, Quickstart)."""
 
@@ -45,21 +56,10 @@ def no_dropout_model(tmp_path_factory) -> Path:
     return folder
 
 
-def accelerate(config: str, script: str, *flags, processes: int = 1) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "accelerate_configs" / config), "--num_processes", str(processes), "--main_process_port",
-            str(free_port()), script, *flags]
-
-
 def test_the_classify_default_run_in_bf16_matches_the_cpu_accuracy(tmp_path):
-    result = run(accelerate("single_gpu.yaml", CLASSIFY, "--output_dir", str(tmp_path / "out")), timeout=600)
+    result = run(accelerate_cmd("--output_dir", str(tmp_path / "out"), **ONE_GPU, script=CLASSIFY), timeout=600)
     assert "process(es) on cuda" in result.stdout
     assert abs(read_results(tmp_path / "out")["eval_accuracy"] - CPU_DEFAULT_ACCURACY) <= 0.01
-
-
-def torchrun(script: str, *flags) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
-            script, *flags]
 
 
 def test_raw_ddp_trains_two_processes_over_nccl(tmp_path):
@@ -67,9 +67,8 @@ def test_raw_ddp_trains_two_processes_over_nccl(tmp_path):
     gpus = torch.cuda.device_count()
     if gpus < 2:
         pytest.skip(f"raw DDP over NCCL needs 2 GPUs for a process group of two; this machine has {gpus}")
-    result = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                  str(free_port()), CLASSIFY, "--max_train_steps", "20", "--ddp_backend", "nccl", "--output_dir",
-                  str(tmp_path / "out")])
+    result = run(torchrun_cmd("--max_train_steps", "20", "--ddp_backend", "nccl", "--output_dir", str(tmp_path / "out"),
+                              nproc=2, script=CLASSIFY))
     results = read_results(tmp_path / "out")
     assert (results["runtime"], results["world_size"], results["global_step"]) == ("ddp", 2, 20)
     assert "2 process(es) on cuda" in result.stdout
@@ -101,15 +100,15 @@ def test_an_fsdp_run_saves_a_model_that_loads_and_predicts(tmp_path):
     """Accelerate's FSDP2 in float32, so that the model alone in one process must give what the sharded model gave
     in the run's final evaluation: the same prediction for every validation example, the same loss."""
     out = tmp_path / "out"
-    run(accelerate("fsdp.yaml", CLASSIFY, "--max_train_steps", "20", "--mixed_precision", "no", "--output_dir",
-                   str(out)))
+    run(accelerate_cmd("--max_train_steps", "20", "--mixed_precision", "no", "--output_dir", str(out), **FSDP,
+                       script=CLASSIFY))
     predictions, loss = load_and_predict(out)
-    assert predictions == [json.loads(line)["prediction"] for line in (out / "eval_predictions.jsonl").open()]
+    assert predictions == [row["prediction"] for row in read_jsonl(out / "eval_predictions.jsonl")]
     assert loss == pytest.approx(read_results(out)["eval_loss"], abs=1e-4)
 
 
-FSDP_BF16 = {"accelerate": lambda *flags: accelerate("fsdp.yaml", CLASSIFY, *flags),  # bf16 is the config's
-             "torchrun": lambda *flags: torchrun(CLASSIFY, "--fsdp", "--bf16", *flags)}
+FSDP_BF16 = {"accelerate": lambda *flags: accelerate_cmd(*flags, **FSDP, script=CLASSIFY),  # bf16 is the config's
+             "torchrun": lambda *flags: torchrun_cmd("--fsdp", "--bf16", *flags, nproc=1, script=CLASSIFY)}
 
 
 def test_fsdp_in_bf16_checkpoints_and_resumes_under_both_launchers_from_either_s_checkpoint(tmp_path,
@@ -130,19 +129,14 @@ def test_fsdp_in_bf16_checkpoints_and_resumes_under_both_launchers_from_either_s
         assert "resumed from" in result.stdout and read_results(resumed)["global_step"] == 12
         assert read_results(resumed)["runtime"] == ("fsdp" if resumed_by == "torchrun" else "accelerate")
         # bf16 compute and the GPU's run-to-run summation order: bounds, not equality.
-        losses = {h["step"]: h["loss"] for h in map(json.loads, (full / "log_history.jsonl").open())}
-        for h in map(json.loads, (resumed / "log_history.jsonl").open()):
+        losses = {h["step"]: h["loss"] for h in log_history(full)}
+        for h in log_history(resumed):
             assert h["loss"] == pytest.approx(losses[h["step"]], rel=1e-2), (h, losses[h["step"]])
         assert max_weight_diff(full, resumed) <= 1e-3
         model, info = AutoModelForSequenceClassification.from_pretrained(resumed, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], info
-    history = {launcher: [json.loads(line)["loss"] for line in (tmp_path / launcher / "log_history.jsonl").open()]
-               for launcher in FSDP_BF16}
+    history = {launcher: [h["loss"] for h in log_history(tmp_path / launcher)] for launcher in FSDP_BF16}
     assert history["torchrun"] == pytest.approx(history["accelerate"], rel=1e-2)
-
-
-def log_history(folder) -> list[dict]:
-    return [json.loads(line) for line in (folder / "log_history.jsonl").read_text().splitlines()]
 
 
 def test_a_resumed_run_on_the_gpu_ends_where_an_uninterrupted_one_does(tmp_path):
@@ -151,9 +145,9 @@ def test_a_resumed_run_on_the_gpu_ends_where_an_uninterrupted_one_does(tmp_path)
     flags = ["--max_train_steps", "12", "--checkpointing_steps", "6", "--mixed_precision", "bf16", "--logging_steps",
              "1"]
     full, resumed, checkpoint = tmp_path / "full", tmp_path / "resumed", tmp_path / "full" / "checkpoints" / "step_6"
-    run(accelerate("single_gpu.yaml", CLASSIFY, *flags, "--output_dir", str(full)))
-    result = run(accelerate("single_gpu.yaml", CLASSIFY, *flags, "--output_dir", str(resumed),
-                            "--resume_from_checkpoint", str(checkpoint)))
+    run(accelerate_cmd(*flags, "--output_dir", str(full), **ONE_GPU, script=CLASSIFY))
+    result = run(accelerate_cmd(*flags, "--output_dir", str(resumed), "--resume_from_checkpoint", str(checkpoint),
+                                **ONE_GPU, script=CLASSIFY))
     assert f"resumed from {checkpoint} at step 6" in result.stdout
     expected, ours = log_history(full)[6:], log_history(resumed)
     assert [h["step"] for h in ours] == [h["step"] for h in expected] == list(range(7, 13))
@@ -206,8 +200,8 @@ def test_sft_with_lora_in_bf16_trains_packed_and_padded(tmp_path):
     above). The model is a stand-in with random weights, so no accuracy is checked."""
     for batches, kind in (("--packing", "packed batches"), ("--no_packing", "padded batches")):
         out = tmp_path / batches.strip("-")
-        result = run(accelerate("single_gpu.yaml", SFT, batches, "--max_train_steps", "4", "--logging_steps", "1",
-                                "--eval_generate", "8", "--output_dir", str(out)), timeout=600)
+        result = run(accelerate_cmd(batches, "--max_train_steps", "4", "--logging_steps", "1", "--eval_generate", "8",
+                                    "--output_dir", str(out), **ONE_GPU, script=SFT), timeout=600)
         assert kind in result.stdout
         assert [h["step"] for h in log_history(out)] == [1, 2, 3, 4]
         assert all(math.isfinite(h["loss"]) for h in log_history(out))
@@ -222,8 +216,8 @@ def test_dpo_with_lora_in_bf16_starts_at_ln_2_and_trains(tmp_path):
     margin 0 up to the kernels' rounding; then finite losses, an evaluation of every validation pair with its
     predictions file, and the adapter. The model is a stand-in with random weights: no accuracy is checked."""
     out = tmp_path / "out"
-    result = run(accelerate("single_gpu.yaml", DPO, "--max_train_steps", "2", "--logging_steps", "1",
-                            "--output_dir", str(out)), timeout=600)
+    result = run(accelerate_cmd("--max_train_steps", "2", "--logging_steps", "1", "--output_dir", str(out), **ONE_GPU,
+                                script=DPO), timeout=600)
     assert "process(es) on cuda" in result.stdout
     first, second = log_history(out)
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-3) and abs(first["rewards_margin"]) < 1e-3

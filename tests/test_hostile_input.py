@@ -14,16 +14,12 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import assert_refused, train_here, write_csv
+from helpers import assert_refused, train_here, write_csv, write_jsonl
 
 
 def write(path: Path, data: str | bytes) -> str:
     path.write_bytes(data if isinstance(data, bytes) else data.encode())
     return str(path)
-
-
-def jsonl(path: Path, rows: list[dict]) -> str:
-    return write(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 GOOD_ROWS = [{"text": f"message number {i}", "label": "ab"[i % 2]} for i in range(8)]
@@ -50,15 +46,15 @@ CASES = {
                        "could not be read as csv"),
     "missing label in csv": (lambda d: files(d, train=write(d / "t.csv", "text,label\na,x\nb,\nc,y\n")),
                              "row 2 has no label"),
-    "null label in jsonl": (lambda d: files(d, train=jsonl(d / "t.jsonl", [{"text": "a", "label": "x"},
-                                                                          {"text": "b", "label": None}])),
+    "null label in jsonl": (lambda d: files(d, train=write_jsonl(d / "t.jsonl", [{"text": "a", "label": "x"},
+                                                                                {"text": "b", "label": None}])),
                             "row 2 has no label"),
     "fractional label": (lambda d: files(d, train=write(d / "t.csv", "text,label\na,0.5\nb,1\n")),
                          "labels must be class names or ids"),
     "numbers as text": (lambda d: files(d, train=write(d / "t.csv", "text,label\n5,a\n7,b\n")),
                         "holds 5, not text"),
-    "empty text": (lambda d: files(d, train=jsonl(d / "t.jsonl", [{"text": "a", "label": "a"},
-                                                                 {"text": "  ", "label": "b"}])),
+    "empty text": (lambda d: files(d, train=write_jsonl(d / "t.jsonl", [{"text": "a", "label": "a"},
+                                                                       {"text": "  ", "label": "b"}])),
                    "row 2: column 'text' is empty"),
     "a single class": (lambda d: files(d, train=write(d / "t.csv", "text,label\na,x\nb,x\n")), "single class"),
     "json that is not json": (lambda d: files(d, train=write(d / "t.json", "this is not json")),
@@ -102,8 +98,8 @@ def test_texts_far_over_max_seq_length_are_truncated_and_counted(folder, tiny_be
 
 MORE_CASES = {
     "labels mixing ids and names": (
-        lambda d: files(d, train=jsonl(d / "t.jsonl", [{"text": "a", "label": 1}, {"text": "b", "label": "x"},
-                                                       {"text": "c", "label": 2}])),
+        lambda d: files(d, train=write_jsonl(d / "t.jsonl", [{"text": "a", "label": 1}, {"text": "b", "label": "x"},
+                                                             {"text": "c", "label": 2}])),
         "error: train data mixes class names and ids in column 'label' (row 2: 'x', row 1: 1); give every label the "
         "same way"),
     "an empty jsonl file": (lambda d: files(d, train=write(d / "t.jsonl", "")), "t.jsonl holds no rows"),

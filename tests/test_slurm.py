@@ -7,7 +7,6 @@ import contextlib
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -22,6 +21,7 @@ from helpers import (
     parity_flags,
     read_results,
     snapshot,
+    training_processes,
     wait_for,
 )
 
@@ -69,15 +69,22 @@ class Job:
     def info(self) -> dict[str, str]:
         return dict(re.findall(r"(\w+)=(\S*)", self.scontrol("show", "job", "--oneliner", self.id)))
 
+    def __str__(self) -> str:
+        """Its id and state, as ``wait_for`` names it in a failure."""
+        return f"job {self.id} ({self.info()['JobState']})"
+
+    def poll(self) -> str | None:
+        """Its state once it has ended, None before: what ``wait_for`` watches (as ``subprocess.Popen.poll``)."""
+        state = self.info()["JobState"]
+        return state if state in ENDED else None
+
+    def kill(self) -> None:
+        """Cancel it (``wait_for`` gave up on it)."""
+        subprocess.run(["scancel", self.id], capture_output=True, timeout=60, env=self.env)
+
     def wait(self, condition, what: str, timeout: float = 300):
-        deadline = time.monotonic() + timeout
-        while not (found := condition()):
-            info = self.info()
-            if time.monotonic() > deadline or info["JobState"] in ENDED:
-                raise AssertionError(f"job {self.id}: no {what} ({info['JobState']} after {timeout} s)\n"
-                                     f"{self.output()[-6000:]}")
-            time.sleep(0.5)
-        return found
+        """``wait_for`` ``condition`` while this job runs, asking Slurm every half second, its log shown on failure."""
+        return wait_for(condition, what, self, timeout=timeout, interval=0.5, log=self.log)
 
     def wait_until_ended(self, timeout: float = 300) -> dict[str, str]:
         return self.wait(lambda: (info := self.info())["JobState"] in ENDED and info, "end", timeout)
@@ -145,7 +152,7 @@ def test_a_requeued_job_resumes_by_itself_to_the_same_weights_keeping_its_checkp
     # Frozen as soon as its checkpoint is complete, while Slurm is told, so that the tiny model's run cannot train
     # to its end first (Slurm sends the step SIGCONT with its SIGTERM).
     def trainers_started():
-        found = [p for p in job.processes() if "classify.py" in " ".join(p.cmdline()) and "RANK" in p.environ()]
+        found = training_processes(job.processes())
         return found if len(found) == 2 else None
 
     trainers = job.wait(trainers_started, "both training processes")
@@ -216,7 +223,7 @@ def test_a_warned_job_whose_checkpoint_fails_is_not_requeued_and_its_token_is_on
     job = Job(slurm, tmp_path, ["--cpus-per-task=1", "--propagate=FSIZE"], flags, preexec_fn=limit_file_size)
     job.wait(lambda: "training classify on" in job.output(), "training")
     processes = job.processes()
-    workers = [p for p in processes if "classify.py" in " ".join(p.cmdline()) and "RANK" in p.environ()]
+    workers = training_processes(processes)
     assert len(workers) == 1 and workers[0].environ()["HF_TOKEN"] == HUB_TOKEN
     assert len(processes) >= 4, processes  # the batch script, srun, torchrun and the training
     assert not [p.cmdline() for p in processes if HUB_TOKEN in " ".join(p.cmdline())]

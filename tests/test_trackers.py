@@ -30,6 +30,7 @@ from helpers import (
     accelerate_cmd,
     classify_flags,
     free_port,
+    log_history,
     one_error_line,
     python_cmd,
     read_results,
@@ -69,34 +70,39 @@ class MLflowServer:
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 # its background job runners (5 processes) serve features these tests do not use
                 env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                log = (self.folder / "server.log").read_text()
-                raise AssertionError(f"mlflow server did not start:\n{log[-3000:]}")
-            time.sleep(0.5)
+        try:
+            wait_for(self.healthy, "the mlflow server to start", self.process, timeout=180, interval=0.5,
+                     log=self.folder / "server.log")
+        except AssertionError:
+            self.stop()  # the processes the server started too
+            raise
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                return response.status == 200
+        except OSError:
+            return False
 
     def stop(self) -> None:
-        """End the server and every process it started."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        """End the server and every process it started: SIGTERM, then SIGKILL to what is left after 15 s."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            wait_for(self.ended, "the mlflow server's processes to end on SIGTERM", timeout=15, interval=0.1)
+        except AssertionError:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
-                self.process.poll()  # reaped, the leader no longer counts as a member of its group
-                try:
-                    os.killpg(self.process.pid, 0)
-                except ProcessLookupError:
-                    return
-                time.sleep(0.1)
-        raise AssertionError("the mlflow server's processes outlived SIGKILL")
+                os.killpg(self.process.pid, signal.SIGKILL)
+            wait_for(self.ended, "the mlflow server's processes to end on SIGKILL", timeout=15, interval=0.1)
+
+    def ended(self) -> bool:
+        """No process of the server's group is left."""
+        self.process.poll()  # reaped, the leader no longer counts as a member of its group
+        try:
+            os.killpg(self.process.pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
 
     @property
     def running(self) -> bool:
@@ -146,16 +152,13 @@ def tracker_env(server: MLflowServer) -> dict:
 
 
 def logged_steps(output_dir: Path) -> list[int]:
-    path = output_dir / "log_history.jsonl"
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
+    """The steps of the run's log so far (none before it has one)."""
+    return [row["step"] for row in log_history(output_dir)] if (output_dir / "log_history.jsonl").is_file() else []
 
 
-def log_history(output_dir: Path) -> dict[int, dict]:
-    rows = {}
-    for line in (output_dir / "log_history.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows[row["step"]] = row
-    return rows
+def logged_by_step(output_dir: Path) -> dict[int, dict]:
+    """The run's log, each row under its step."""
+    return {row["step"]: row for row in log_history(output_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +199,7 @@ def test_mlflow_runs_of_both_launchers_hold_the_same_history_and_configuration_a
     runs = {launcher: mlflow_server.run_named(launcher) for launcher in outs}
     histories = {launcher: {key: mlflow_server.history(r.info.run_id, key) for key in r.data.metrics}
                  for launcher, r in runs.items()}
-    reference = log_history(outs["accelerate"])
+    reference = logged_by_step(outs["accelerate"])
 
     for launcher, history in histories.items():
         assert [step for step, _ in history["loss"]] == list(range(1, STEPS + 1)), launcher
@@ -253,7 +256,7 @@ def test_a_stopped_and_resumed_job_continues_the_same_run_in_every_tracker(mlflo
 def test_tensorboard_event_files_hold_the_same_series_under_both_launchers(tracked_runs):
     outs, _ = tracked_runs
     series = {launcher: tensorboard_scalars(out) for launcher, out in outs.items()}
-    reference = log_history(outs["accelerate"])
+    reference = logged_by_step(outs["accelerate"])
     assert INTERVAL_KEYS | FINAL_KEYS | {"eval_accuracy"} <= set(series["accelerate"])
     assert set(series["torchrun"]) == set(series["accelerate"]) | {"stop_signal_to_checkpoint_seconds"}
     for key in ("loss", "learning_rate", "grad_norm"):
@@ -271,7 +274,7 @@ def test_wandb_offline_files_hold_the_same_history_under_both_launchers(tracked_
     rows = {launcher: {row["_step"]: row for folder in sorted((out / "runs" / "wandb").glob("offline-run-*"))
                        for row in wandb_history(folder)}
             for launcher, out in outs.items()}
-    reference = log_history(outs["accelerate"])
+    reference = logged_by_step(outs["accelerate"])
     assert sorted(rows["accelerate"]) == sorted(rows["torchrun"]) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         for key in ("loss", "learning_rate", "grad_norm"):
