@@ -27,6 +27,7 @@ from finetune.tasks.preference import (
     pair_log_probs,
     pair_metrics,
     precomputed_reference,
+    reference_key,
     tokenize_pairs,
     write_pair_predictions,
 )
@@ -309,3 +310,48 @@ def test_a_ddp_wrapper_does_not_hide_the_adapters_from_the_reference(tokenizer, 
     torch.testing.assert_close(reference, base, rtol=0, atol=1e-5)
     torch.testing.assert_close(table, base, rtol=2e-7, atol=1e-5)
     assert (pair_log_probs(policy.eval(), dict(batch))[0] - base).abs().min() > 1e-3, "the adapters are on again"
+
+
+def test_a_reply_of_megabytes_is_cut_before_it_is_tokenized(tokenizer, tmp_path, monkeypatch):
+    """The pair's texts are cut before they are tokenized: a chosen reply of megabytes keeps the tokens of one
+    short enough to tokenize whole, and no text much longer than what is kept reaches the tokenizer."""
+    import transformers
+
+    def rows(reply_repeats):
+        return {"prompt": [[USER]], "chosen": [[assistant("Sorry for the wait. " * reply_repeats)]],
+                "rejected": [[assistant("Noted.")]]}
+
+    short = tokenize(rows(100), tokenizer, tmp_path, max_length=64)
+    longest = []
+    call = transformers.PreTrainedTokenizerBase.__call__
+
+    def noting_the_longest_text(self, text=None, *args, **kwargs):
+        longest.append(max(map(len, text if isinstance(text, list) else [text]), default=0))
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", noting_the_longest_text)
+    huge = tokenize(rows(100_000), tokenizer, tmp_path, max_length=64)
+    assert short[0]["cut"] and len(short[0]["prompt_ids"]) + len(short[0]["chosen_ids"]) == 64
+    for column in ("prompt_ids", "chosen_ids", "rejected_ids"):
+        assert huge[0][column] == short[0][column], column
+    assert max(longest) <= 16 * 64, "no text longer than 16 characters a kept token reached the tokenizer"
+
+
+def test_the_reference_key_follows_the_weights_configuration_and_precision_not_the_path(tokenizer, tmp_path):
+    """A model retrained in place (the same folder, new weights) or run in another precision gets another key; the
+    same folder loaded again gets the same key."""
+    folder, data = tmp_path / "model", tmp_path / "cache-abc"
+    tiny_model(tokenizer).save_pretrained(folder)
+    key = reference_key(AutoModelForCausalLM.from_pretrained(folder), "no", data)
+    assert reference_key(AutoModelForCausalLM.from_pretrained(folder), "no", data) == key
+    assert reference_key(AutoModelForCausalLM.from_pretrained(folder), "bf16", data) != key
+    assert reference_key(AutoModelForCausalLM.from_pretrained(folder), "no", tmp_path / "cache-def") != key
+    retrained = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        next(retrained.parameters())[0, 0] += 1e-3
+    retrained.save_pretrained(folder)
+    assert reference_key(AutoModelForCausalLM.from_pretrained(folder), "no", data) != key, "weights retrained in place"
+    reconfigured = AutoModelForCausalLM.from_pretrained(folder)
+    before = reference_key(reconfigured, "no", data)
+    reconfigured.config.attention_dropout = 0.1
+    assert reference_key(reconfigured, "no", data) != before, "the configuration"

@@ -363,3 +363,27 @@ def test_resuming_a_lora_checkpoint_on_another_base_model_is_refused(tiny_chat_m
     assert_refused("sft", [*chat_files, *flags, "--model_name_or_path", str(other_base), "--output_dir",
                            str(tmp_path / "second"), "--resume_from_checkpoint", str(checkpoint)],
                    tmp_path, f"{checkpoint} was trained on other frozen weights than this run's model")
+
+
+def test_a_reply_of_megabytes_is_cut_before_it_is_tokenized(tokenizer, tmp_path, monkeypatch):
+    """What can never fit is cut from the rendered text first: the tokens kept equal those of a reply short
+    enough to tokenize whole, and no text much longer than what is kept reaches the tokenizer."""
+    import transformers
+
+    def conversation(reply_repeats):
+        return [{"role": "user", "content": "Where is my parcel?"},
+                {"role": "assistant", "content": "Sorry for the wait. " * reply_repeats}]
+
+    short = tokenize_chats([conversation(100)], tokenizer, tmp_path, max_length=64)
+    longest = []
+    call = transformers.PreTrainedTokenizerBase.__call__
+
+    def noting_the_longest_text(self, text=None, *args, **kwargs):
+        longest.append(max(map(len, text if isinstance(text, list) else [text]), default=0))
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", noting_the_longest_text)
+    huge = tokenize_chats([conversation(100_000)], tokenizer, tmp_path, max_length=64)
+    assert len(short[0]["input_ids"]) == 64
+    assert huge[0]["input_ids"] == short[0]["input_ids"] and huge[0]["labels"] == short[0]["labels"]
+    assert max(longest) <= 16 * 64, "no text longer than 16 characters a kept token reached the tokenizer"
