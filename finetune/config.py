@@ -61,6 +61,8 @@ class TrainConfig:
     dataset_cache_dir: str | None = arg(None, "Where tokenized data is cached; default: finetune/ in the datasets "
                                               "cache (HF_DATASETS_CACHE).")
     prepare_only: bool = arg(False, "Tokenize the data into its cache and exit (a CPU job before a GPU job).")
+    preview_rows: int = arg(0, "With --prepare_only, in the chat recipes: print the first N training rows with what "
+                               "trains in them marked, and write them to OUTPUT/data_preview.jsonl.")
 
     # Optimisation
     per_device_train_batch_size: int = arg(32, "Training examples per process per micro-step.")
@@ -127,6 +129,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name} is {value}; it must be a positive whole number (or left unset)")
+        if self.preview_rows < 0:
+            raise UserError(f"--preview_rows is {self.preview_rows}; give how many training rows to show")
+        if self.preview_rows and not self.prepare_only:
+            raise UserError("--preview_rows shows the data --prepare_only prepares; add --prepare_only")
         if self.num_warmup_steps < 0:
             raise UserError(f"--num_warmup_steps is {self.num_warmup_steps}; it must be 0 or more")
         if not 0 < self.learning_rate < math.inf:

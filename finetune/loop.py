@@ -351,10 +351,37 @@ def _starting_checkpoint(cfg: TrainConfig, env: LaunchEnvironment, launch: str) 
 
 
 def _prepare_only(task: Task, cfg: TrainConfig) -> dict:
-    """``--prepare_only``: make the data cache if it is missing, and nothing else (no output folder, no model)."""
+    """``--prepare_only``: make the data cache if it is missing, and nothing else (no model); with
+    ``--preview_rows``, the task's preview of its first training rows, printed and in ``data_preview.jsonl``.
+
+    Raises:
+        UserError: ``--preview_rows`` for a task that has no preview, before anything is built.
+    """
+    if cfg.preview_rows and not hasattr(task, "preview"):
+        raise UserError(f"--preview_rows: the {task.name} recipe has no preview of its rows; the chat recipes do")
     with make_runtime(cfg, tracking=None) as runtime:
-        load_or_build(task, cfg, task.load_tokenizer(cfg), runtime)
+        tokenizer = task.load_tokenizer(cfg)
+        data = load_or_build(task, cfg, tokenizer, runtime)
+        if cfg.preview_rows and runtime.is_main_process:
+            rows = task.preview(data, tokenizer, cfg.preview_rows)
+            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+            with open(Path(cfg.output_dir) / "data_preview.jsonl", "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+            for row in rows:  # what trains between guillemets
+                runtime.print(f"-- example {row['example']}: " + _marked(row["text"], row["trained"]))
     return {}
+
+
+def _marked(text: str, trained: list[str]) -> str:
+    """``text`` with each of its ``trained`` runs, in order, between guillemets."""
+    out, at = [], 0
+    for run in trained:
+        found = text.find(run, at)
+        if found < 0:
+            break
+        out += [text[at:found], "\u00ab", run, "\u00bb"]
+        at = found + len(run)
+    return "".join(out) + text[at:]
 
 
 def _main_process_choice(runtime: Runtime, chosen: Path | None, output_dir: str) -> Path | None:

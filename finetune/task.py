@@ -100,3 +100,7 @@ class Task(Protocol):
 
     def save(self, model, state_dict: dict, tokenizer, output_dir: str) -> None:
         """Save the unwrapped model (main process only): a full model or an adapter."""
+
+    def preview(self, data, tokenizer, count: int) -> list[dict]:
+        """Optional (``--prepare_only --preview_rows``): the first ``count`` training rows as ``{"example": the data
+        row it came from (from 1), "text": the row decoded, "trained": each run of trained tokens decoded}``."""

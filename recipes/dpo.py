@@ -65,9 +65,11 @@ class DPOTask(causal_lm.ChatTask):
         return load_splits(cfg, PREFERENCE_PAIRS)
 
     def tokenize(self, raw, tokenizer, cfg, tokenizing):
-        train = preference.tokenize_pairs(raw["train"], tokenizer, cfg.max_seq_length, "train", tokenizing)
+        options = self.args.template_options
+        train = preference.tokenize_pairs(raw["train"], tokenizer, cfg.max_seq_length, "train", tokenizing,
+                                          template_options=options)
         preference.tokenize_pairs(raw["validation"], tokenizer, cfg.max_seq_length, "validation", tokenizing,
-                       generation_prompts=True)
+                                  generation_prompts=True, template_options=options)
         return {"answers": PREFERENCE_PAIRS.answers(raw, cfg), "cut": sum(train["cut"]), "same": sum(train["same"])}
 
     def setup(self, cfg, tokenizer, data):
@@ -77,13 +79,16 @@ class DPOTask(causal_lm.ChatTask):
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         train_set, eval_collate = TokenizedDataset(data.train, COLUMNS), preference.PromptRepliesCollator(pad)
         model, self.reference, described = preference.load_policy_and_reference(
-            cfg, args, data.folder, train_set, eval_collate, Path(cfg.output_dir) / REFERENCE_FILE)
+            cfg, args, tokenizer, data.folder, train_set, eval_collate, Path(cfg.output_dir) / REFERENCE_FILE)
         same = data.info["same"] and (f"{data.info['same']} pair(s) whose chosen and rejected replies are the same "
                                       "tokens (they train nothing)")
         summary = ", ".join(filter(None, [f"a pair per example, --loss_type {args.loss_type} --beta {args.beta}",
                                           described, same]))
         return TaskSetup(train_set, TokenizedDataset(data.validation, COLUMNS), preference.PairCollator(pad), model,
                          eval_collate=eval_collate, truncated=data.info["cut"], summary=summary)
+
+    def preview(self, data, tokenizer, count):
+        return preference.preview_pairs(data.train, tokenizer, count)
 
     def loss(self, model, batch):
         reference = self.reference.training_log_probs(model, batch, batch.pop("index"))

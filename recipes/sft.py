@@ -35,7 +35,7 @@ from finetune.tasks.causal_lm import (
     language_model_collators,
     summed_log_probs,
 )
-from finetune.tasks.chat import tokenize_conversations
+from finetune.tasks.chat import preview_rows, split_conversations, tokenize_conversations
 
 DEFAULTS = {"output_dir": "outputs/sft", "num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 8,
             "max_seq_length": 1024}
@@ -59,10 +59,12 @@ class SFTTask(ChatTask):
         return load_splits(cfg, SUPPORT_CHATS)
 
     def tokenize(self, raw, tokenizer, cfg, tokenizing):
-        tokenize_conversations(raw["train"], tokenizer, cfg.max_seq_length, "train", tokenizing)
+        options = self.args.template_options
+        train = tokenize_conversations(raw["train"], tokenizer, cfg.max_seq_length, "train", tokenizing,
+                                       template_options=options)
         tokenize_conversations(raw["validation"], tokenizer, cfg.max_seq_length, "validation", tokenizing,
-                               generation_prompts=True)
-        return {"answers": SUPPORT_CHATS.answers(raw, cfg)}
+                               generation_prompts=True, template_options=options)
+        return {"answers": SUPPORT_CHATS.answers(raw, cfg), "split": split_conversations(train)}
 
     def setup(self, cfg, tokenizer, data):
         self.replies = EvalReplies(data.validation, tokenizer, self.args, data.info["answers"],
@@ -71,12 +73,17 @@ class SFTTask(ChatTask):
         model = from_pretrained(transformers.AutoModelForCausalLM, cfg.model_name_or_path or default_chat_model_path(),
                                 trust_remote_code=cfg.trust_remote_code,
                                 **({"attn_implementation": "flash_attention_2"} if flash else {}))
-        model, adapters = adapt_chat_model(model, self.args)
-        train_set = TokenizedDataset(data.train)
+        model, adapters = adapt_chat_model(model, self.args, tokenizer)
+        train_set = TokenizedDataset(data.train, ["input_ids", "labels"])
+        conversations, rows = data.info["split"]
         summary = [f"{int(train_set.loss_units.sum())} trained tokens", f"{'packed' if packed else 'padded'} batches",
-                   adapters]
+                   adapters, conversations and f"{conversations} conversation(s) split into {rows} rows, as the chat "
+                                               "template rewrites their history"]
         return TaskSetup(train_set, TokenizedDataset(data.validation, ["input_ids", "labels", "index"]), collate,
                          model, eval_collate=eval_collate, summary=", ".join(filter(None, summary)))
+
+    def preview(self, data, tokenizer, count):
+        return preview_rows(data.train, tokenizer, count)
 
     def loss(self, model, batch):
         return -label_log_probs(model, batch)[0].sum()

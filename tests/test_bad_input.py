@@ -39,6 +39,12 @@ def data(files, train=None, validation=None):
             "--output_dir", files["out"]]
 
 
+def test_a_preview_of_rows_is_the_chat_recipes_and_is_refused_before_any_build(tmp_path, files, refused):
+    refused([*data(files), "--prepare_only", "--preview_rows", "2", "--dataset_cache_dir", str(tmp_path / "cache")],
+            "--preview_rows: the classify recipe has no preview of its rows; the chat recipes do")
+    assert not (tmp_path / "cache").exists()
+
+
 def test_missing_data_file(tmp_path, files, refused):
     refused(data(files, train=str(tmp_path / "nope.csv")), "nope.csv: no such file")
 

@@ -112,6 +112,8 @@ def test_yaml_lists_and_single_values_must_match_the_option(tmp_path):
         (["--train_file", "a.csv"], "go together"),
         (["--dataset_name", "glue", "--train_file", "a.csv", "--validation_file", "b.csv"], "pass one data source"),
         (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
+        (["--preview_rows", "3"], "--preview_rows shows the data --prepare_only prepares; add --prepare_only"),
+        (["--preview_rows", "-1", "--prepare_only"], "--preview_rows is -1; give how many training rows to show"),
     ],
 )
 def test_invalid_values_are_refused(argv, message):

@@ -355,3 +355,23 @@ def test_the_reference_key_follows_the_weights_configuration_and_precision_not_t
     before = reference_key(reconfigured, "no", data)
     reconfigured.config.attention_dropout = 0.1
     assert reference_key(reconfigured, "no", data) != before, "the configuration"
+
+
+def test_a_pair_with_tools_and_a_reasoning_reply_trains_the_reasoning(tokenizer, tmp_path):
+    """Every key of a reply reaches the template, and a tools column goes to it: with Qwen3's template the chosen
+    reply's tokens hold its reasoning, and the prompt holds the tool list."""
+    import copy
+
+    from trl import chat_templates
+
+    qwen3 = copy.deepcopy(tokenizer)
+    qwen3.chat_template = (Path(chat_templates.__path__[0]) / "qwen3.jinja").read_text()
+    schema = {"type": "function", "function": {"name": "refund", "description": "Refund an order.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    rows = {"prompt": [[USER]], "tools": [json.dumps([schema])],
+            "chosen": [[{"role": "assistant", "content": CHOSEN, "reasoning_content": "The charge is doubled."}]],
+            "rejected": [[assistant(REJECTED)]]}
+    pair = tokenize(rows, qwen3, tmp_path)[0]
+    assert "Refund an order." in qwen3.decode(pair["prompt_ids"])
+    assert "The charge is doubled." in qwen3.decode(pair["chosen_ids"])
+    assert "The charge is doubled." not in qwen3.decode(pair["rejected_ids"])

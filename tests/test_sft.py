@@ -84,9 +84,11 @@ def test_every_assistant_turn_trains_and_nothing_else(tokenizer, tmp_path):
 
 
 def labels_rendering_each_turn_twice(messages, tokenizer) -> tuple[list[int], list[int]]:
-    """Input ids and labels as the recipe first found them: the whole conversation rendered, and each assistant
-    turn's span between its prefix rendered with and without it, tokens inside a span trained."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    """Input ids and labels as the recipe first found them: the conversation rendered through its last assistant turn
+    (what follows trains nothing, and is left out), and each assistant turn's span between its prefix rendered with
+    and without it, tokens inside a span trained."""
+    last = max(turn for turn, message in enumerate(messages) if message["role"] == "assistant")
+    text = tokenizer.apply_chat_template(messages[:last + 1], tokenize=False)
     spans = []
     for turn, message in enumerate(messages):
         if message["role"] == "assistant":
@@ -276,7 +278,22 @@ BAD = {
                                                "--chat_template", "nowhere.jinja"),
     "no evaluation token budget": (None, None, "--per_device_eval_max_tokens is 0; it must be a positive",
                                    "--per_device_eval_max_tokens", "0"),
+    "template options that are not JSON": (None, None, "--chat_template_kwargs is not JSON",
+                                           "--chat_template_kwargs", "{enable_thinking: false}"),
+    "template options that are not an object": (None, None, "--chat_template_kwargs is list; give a JSON object",
+                                                "--chat_template_kwargs", "[1]"),
+    "an image part": ([{"messages": [{"role": "user", "content": [{"type": "image", "url": "a.png"}]},
+                                     {"role": "assistant", "content": "A cat."}]}] * 2, None,
+                      "train row 1, message 1: content holds image besides text; the chat recipes train text models"),
+    "a row the template refuses": (
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"},
+                       {"role": "assistant", "content": "ok"}]}] * 2, None,
+        "train row 1: the chat template refuses it", "--chat_template", "ALTERNATING"),
 }
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+               "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -287,6 +304,9 @@ def test_bad_input_is_one_error_line_and_changes_nothing(tiny_chat_model, tmp_pa
     flags = ["--train_file", write_jsonl(tmp_path / "train.jsonl", train or GOOD), "--validation_file",
              write_jsonl(tmp_path / "validation.jsonl", validation or GOOD), "--output_dir", str(tmp_path / "out"),
              "--model_name_or_path", str(tiny_chat_model), "--max_seq_length", "64", *extra_flags]
+    if "ALTERNATING" in flags:
+        (tmp_path / "alternating.jinja").write_text(ALTERNATING)
+        flags[flags.index("ALTERNATING")] = str(tmp_path / "alternating.jinja")
     assert_refused("sft", flags, tmp_path, expected)
 
 
@@ -387,3 +407,40 @@ def test_a_reply_of_megabytes_is_cut_before_it_is_tokenized(tokenizer, tmp_path,
     assert len(short[0]["input_ids"]) == 64
     assert huge[0]["input_ids"] == short[0]["input_ids"] and huge[0]["labels"] == short[0]["labels"]
     assert max(longest) <= 16 * 64, "no text longer than 16 characters a kept token reached the tokenizer"
+
+
+def test_prepare_only_previews_the_rows_with_what_trains_in_them(tokenizer, tiny_chat_model, tmp_path):
+    """--prepare_only --preview_rows N: the first N training rows, each run of trained tokens decoded, printed with
+    the trained text marked and written to data_preview.jsonl; no model is loaded or saved."""
+    conversations = [{"messages": TWO_TURNS}, *({"messages": m} for m in make_support_conversations()["train"]
+                                                ["messages"][:3])]
+    train = write_jsonl(tmp_path / "train.jsonl", conversations)
+    out = tmp_path / "out"
+    result = train_here("sft", "--train_file", train, "--validation_file", train, "--model_name_or_path",
+                        str(tiny_chat_model), "--output_dir", str(out), "--prepare_only", "--preview_rows", "3",
+                        "--dataset_cache_dir", str(tmp_path / "cache"))
+    previews = read_jsonl(out / "data_preview.jsonl")
+    rows = tokenize_chats([c["messages"] for c in conversations], tokenizer, tmp_path)
+    assert [p["example"] for p in previews] == [1, 2, 3]
+    assert [p["trained"] for p in previews] == [trained_text(tokenizer, rows[i]) for i in range(3)]
+    assert previews[0]["trained"] == ["Team: billing\nDone.<|im_end|>\n", "You are welcome.<|im_end|>\n"]
+    assert [p["text"] for p in previews] == [tokenizer.decode(rows[i]["input_ids"]) for i in range(3)]
+    assert "\u00abTeam: billing\nDone.<|im_end|>\n\u00bb" in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["data_preview.jsonl"]
+
+
+def test_generation_stops_at_the_token_the_template_ends_a_reply_with(tokenizer, tiny_chat_model, chat_files, tmp_path):
+    """A template that ends replies with a special token other than the end of sequence (Gemma's <end_of_turn>, here
+    <|endoftext|>): the saved model's generation_config.json stops there too, so a user's generate does."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                        "{% if m['role'] == 'assistant' %}<|endoftext|>{% else %}<|im_end|>{% endif %}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    out = tmp_path / "out"
+    run_on("sft", tiny_chat_model, chat_files, out, "--no_use_lora", "--max_train_steps", "1", "--chat_template",
+           str(template))
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [tokenizer.eos_token_id, end]
+    trained = trained_text(tokenizer, tokenize_chats([TWO_TURNS], AutoTokenizer.from_pretrained(out), tmp_path)[0])
+    # (<|endoftext|> takes the white space after it into its token)
+    assert trained == ["Team: billing\nDone.<|endoftext|>", "You are welcome.<|endoftext|>"]

@@ -37,13 +37,15 @@ class TokenizedDataset(Dataset):
     Rows are read from the Arrow table a batch at a time, so nothing per row lives in Python between
     batches. ``lengths`` and ``loss_units`` are numpy arrays, from the ``length`` and ``loss_units`` columns
     when present (tokens per row from ``input_ids`` and one unit per row otherwise). A batch holds the
-    columns the collator takes: ``columns``, or every column but those two.
+    columns the collator takes: ``columns``, or every column but those two. An ``index`` column that the rows do
+    not hold is each row's position.
     """
 
     def __init__(self, rows: datasets.Dataset, columns: list[str] | None = None):
         self.rows = rows
         self.columns = columns or [name for name in rows.column_names if name not in (LENGTH, LOSS_UNITS)]
-        self._batch_rows = rows.select_columns(self.columns)
+        self._positions = "index" in self.columns and "index" not in rows.column_names
+        self._batch_rows = rows.select_columns([c for c in self.columns if c != "index" or not self._positions])
         table = rows.data
         self.lengths = (_as_numpy(table.column(LENGTH)) if LENGTH in rows.column_names
                         else _as_numpy(pc.list_value_length(table.column("input_ids"))))
@@ -60,10 +62,12 @@ class TokenizedDataset(Dataset):
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict:
-        return self._batch_rows[int(index)]
+        return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: list[int]) -> list[dict]:
         batch = self._batch_rows[list(indices)]
+        if self._positions:
+            batch["index"] = [int(i) for i in indices]
         return [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from finetune.errors import UserError
 from finetune.models.loading import default_chat_model_path, from_pretrained
 from finetune.models.lora import add_lora, save_adapter
 from finetune.task import ModelCardInfo
-from finetune.tasks.chat import IGNORE, require_chat_template, write_generations
+from finetune.tasks.chat import IGNORE, end_of_turn_ids, require_chat_template, write_generations
 
 __all__ = ["CausalLMArguments", "ChatModelArguments", "ChatTask", "EvalReplies", "adapt_chat_model", "chat_model_card",
            "check_output_layer", "decode_replies", "greedy_replies", "label_log_probs", "language_model_collators",
@@ -58,6 +59,8 @@ class ChatModelArguments(CausalLMArguments):
     """Options of the recipes that tune a chat model with LoRA (chat, preference tuning)."""
 
     chat_template: str | None = arg(None, "A Jinja chat template file, for a model that has none.")
+    chat_template_kwargs: str | None = arg(None, "Options for the chat template at every rendering, as JSON: "
+                                                 "'{\"enable_thinking\": false}' (the evaluation's prompts too).")
     use_lora: bool = arg(True, "Train LoRA adapters only; --no_use_lora fine-tunes every weight.")
     lora_r: int = arg(16, "LoRA rank.")
     lora_alpha: int = arg(32, "LoRA scaling numerator (the update is scaled by alpha / r).")
@@ -77,6 +80,18 @@ class ChatModelArguments(CausalLMArguments):
                             "give a positive number (an alpha of 0 trains an adapter that changes nothing)")
         if not 0 <= self.lora_dropout < 1:
             raise UserError(f"--lora_dropout is {self.lora_dropout}; give the share of inputs dropped, in [0, 1)")
+        try:
+            options = json.loads(self.chat_template_kwargs or "{}")
+        except json.JSONDecodeError as err:
+            raise UserError(f"--chat_template_kwargs is not JSON ({err}); give an object such as "
+                            '\'{"enable_thinking": false}\'') from None
+        if not isinstance(options, dict):
+            raise UserError(f"--chat_template_kwargs is {type(options).__name__}; give a JSON object of options")
+
+    @property
+    def template_options(self) -> dict:
+        """``--chat_template_kwargs`` as the keyword arguments every rendering gets."""
+        return json.loads(self.chat_template_kwargs or "{}")
 
 
 def chat_model_card(what: str, use_lora: bool) -> ModelCardInfo:
@@ -115,16 +130,18 @@ class ChatTask:
     def load_tokenizer(self, cfg):
         return load_chat_tokenizer(cfg, self.args.chat_template)
 
-    def data_options(self, cfg):
-        return {"max_seq_length": cfg.max_seq_length}  # the chat template is the tokenizer's, which the key hashes
+    def data_options(self, cfg):  # the chat template is the tokenizer's, which the key hashes
+        return {"max_seq_length": cfg.max_seq_length, "chat_template_kwargs": self.args.template_options}
 
     def save(self, model, state_dict, tokenizer, output_dir):
         save_chat_model(model, state_dict, tokenizer, output_dir, self.args)
 
 
-def adapt_chat_model(model, args: ChatModelArguments) -> tuple[torch.nn.Module, str]:
-    """``model`` with LoRA adapters unless ``--no_use_lora``, its output layer checked; and how the start-up line
-    names the adapters ("" without)."""
+def adapt_chat_model(model, args: ChatModelArguments, tokenizer) -> tuple[torch.nn.Module, str]:
+    """``model`` with LoRA adapters unless ``--no_use_lora``, its output layer checked, and its generation stopping
+    where the chat template ends a reply (the saved ``generation_config.json`` too); and how the start-up line names
+    the adapters ("" without)."""
+    model.generation_config.eos_token_id = end_of_turn_ids(tokenizer, args.template_options)
     if args.use_lora:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
     check_output_layer(model)
@@ -387,8 +404,9 @@ def greedy_replies(model, index: torch.Tensor, prompts: list[list[int]], tokeniz
     """Greedy replies for an evaluation batch whose rows are dataset examples ``index``: ``[len(index), L]``.
 
     Example ``i`` gets a reply when ``i < len(prompts)`` (``prompts[i]``, token ids); every other row, and each
-    reply from its end-of-turn token on, is ``IGNORE``. The prompts are left-padded into batches of at most
-    ``max_tokens`` tokens, counting each row's ``max_new_tokens`` (a longer row alone).
+    reply from its end-of-turn token on (the model's ``generation_config.eos_token_id``), is ``IGNORE``. The prompts
+    are left-padded into batches of at most ``max_tokens`` tokens, counting each row's ``max_new_tokens`` (a longer
+    row alone).
     """
     wanted = [(row, i) for row, i in enumerate(index.tolist()) if i < len(prompts)]
     groups = [wanted[group] for group in
@@ -396,6 +414,7 @@ def greedy_replies(model, index: torch.Tensor, prompts: list[list[int]], tokeniz
     if prompts:  # a process with fewer groups than another decodes a stand-in prompt (generate keeps each in step)
         groups += [[(None, 0)]] * _passes_behind(model, len(groups), index.device)
     pad = tokenizer.pad_token_id
+    stops = torch.tensor(model.generation_config.eos_token_id, device=index.device).view(-1)
     replies = torch.full((len(index), max_new_tokens), IGNORE, device=index.device)
     for group in groups:
         rows, examples = zip(*group, strict=True)
@@ -407,7 +426,7 @@ def greedy_replies(model, index: torch.Tensor, prompts: list[list[int]], tokeniz
                                    do_sample=False, pad_token_id=pad)[:, longest:]
         if rows[0] is not None:
             replies[list(rows), :generated.shape[1]] = generated.masked_fill(
-                (generated == tokenizer.eos_token_id).cumsum(1) > 0, IGNORE)
+                torch.isin(generated, stops).cumsum(1) > 0, IGNORE)
     return replies
 
 

@@ -34,11 +34,12 @@ from finetune.distributed.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
 from finetune.models.loading import default_chat_model_path, from_pretrained
 from finetune.tasks.causal_lm import adapt_chat_model, label_log_probs, shared_prompt_log_probs
-from finetune.tasks.chat import IGNORE, check_conversation, render_reply_spans
+from finetune.tasks.chat import IGNORE, check_conversation, read_tools, render_last_reply, without_nulls
 
 __all__ = ["LOSS_TYPES", "PAIR_FIGURES", "PairCollator", "Precomputation", "PromptRepliesCollator", "Reference",
            "check_loss_options", "dpo_loss", "is_adapter_folder", "load_causal_lm", "load_policy_and_reference",
-           "pair_figures", "pair_log_probs", "pair_metrics", "precomputed_reference", "preference_layout", "read_pairs",
+           "pair_figures", "pair_log_probs", "pair_metrics", "precomputed_reference", "preference_layout",
+           "preview_pairs", "read_pairs",
            "reference_key", "tokenize_pairs", "write_pair_predictions"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
@@ -113,9 +114,9 @@ def _messages(value, role: str, where: str, column: str) -> list[dict]:
         raise UserError(f"{where}: {column} is {type(value).__name__}; give text or a list of {{role, content}} "
                         "messages")
     for turn, message in enumerate(value, start=1):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        if not isinstance(message, dict) or "role" not in message:
             raise UserError(f"{where}, {column} message {turn}: not a {{role, content}} object")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return [without_nulls(message) for message in value]
 
 
 def _reply(messages: list[dict], where: str, column: str) -> dict:
@@ -123,39 +124,42 @@ def _reply(messages: list[dict], where: str, column: str) -> dict:
         roles = ", ".join(m["role"] for m in messages) or "nothing"
         raise UserError(f"{where}: the {column} reply must be one assistant turn, not {roles}; give it as text or "
                         "as one {role: assistant, content} message")
-    if not isinstance(messages[0]["content"], str) or not messages[0]["content"].strip():
+    content = messages[0].get("content")
+    if not messages[0].get("tool_calls") and (not isinstance(content, str) or not content.strip()):
         raise UserError(f"{where}: the {column} reply is empty; give it some text or drop the row")
     return messages[0]
 
 
 def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: str, tokenizing: Tokenizing,
-                   generation_prompts: bool = False) -> datasets.Dataset:
+                   generation_prompts: bool = False, template_options: dict | None = None) -> datasets.Dataset:
     """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (the replies' tokens, after the prompt's), ``index`` (the
     row), ``cut`` (whether a reply was cut) and ``same`` (whether both replies are the same tokens, after the cut: a
     pair that trains nothing, its loss ln 2 and its gradient zero); one loss unit per pair; ``length`` is the tokens
     of both rows.
 
     A pair with a row longer than ``max_length`` keeps its whole prompt and the start of each reply: both replies
-    are cut to the ``max_length - prompt`` tokens left, so each keeps at least one. With ``generation_prompts``
-    each row also keeps ``prompt_messages`` (JSON) and ``reference`` (the chosen reply), for
-    ``write_generations``.
+    are cut to the ``max_length - prompt`` tokens left, so each keeps at least one. Each reply is what the model
+    would generate after the prompt (``finetune.tasks.chat.render_last_reply``); a row's ``tools`` and the
+    ``template_options`` go to the template. With ``generation_prompts`` each row also keeps ``prompt_messages``
+    (JSON) and ``reference`` (the chosen reply), for ``write_generations``.
 
     Raises:
-        UserError: a bad row (see ``read_pairs``), a template that does not render turn by turn, or a prompt that
-            leaves no room for a reply within ``max_length``.
+        UserError: a bad row (see ``read_pairs``), a reply the template renders otherwise than it prompts for it, or
+            a prompt that leaves no room for a reply within ``max_length``.
     """
     layout = preference_layout(split, name)
 
     def encode(batch, rows):
         pairs = read_pairs(batch, rows, layout, name)
-        rendered = render_reply_spans([[*prompt, reply] for prompt, chosen, rejected in pairs
-                                       for reply in (chosen, rejected)],
-                                      tokenizer, [f"{name} row {row + 1}" for row in rows for _ in range(2)])
-        texts = []  # each pair's prompt, chosen reply and rejected reply
-        for (chosen_text, chosen_spans), (rejected_text, rejected_spans) in zip(rendered[0::2], rendered[1::2],
-                                                                                strict=True):
-            (start, end), (rejected_start, rejected_end) = chosen_spans[-1], rejected_spans[-1]
-            texts += [chosen_text[:start], chosen_text[start:end], rejected_text[rejected_start:rejected_end]]
+        tools = [read_tools(value, f"{name} row {row + 1}") for row, value in
+                 zip(rows, batch.get("tools") or [None] * len(rows), strict=True)]
+        rendered = render_last_reply([[*prompt, reply] for prompt, chosen, rejected in pairs
+                                      for reply in (chosen, rejected)],
+                                     tokenizer, [f"{name} row {row + 1}" for row in rows for _ in range(2)],
+                                     [listed for listed in tools for _ in range(2)], template_options)
+        texts = []  # each pair's prompt, chosen reply and rejected reply (both replies follow the same prompt)
+        for (prompt, chosen), (_, rejected) in zip(rendered[0::2], rendered[1::2], strict=True):
+            texts += [prompt, chosen, rejected]
         texts, cut_lengths = fitting_prefixes(texts, tokenizer, max_length)
         ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         out = {"prompt_ids": ids[0::3], "chosen_ids": [], "rejected_ids": [], LENGTH: [], "index": rows, "cut": [],
@@ -177,7 +181,7 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
         out[LOSS_UNITS] = [1] * len(rows)
         if generation_prompts:
             out["prompt_messages"] = [json.dumps(prompt) for prompt, _, _ in pairs]
-            out["reference"] = [chosen["content"] for _, chosen, _ in pairs]
+            out["reference"] = [chosen.get("content") or "" for _, chosen, _ in pairs]
         return out
 
     features = {"prompt_ids": TOKEN_IDS, "chosen_ids": TOKEN_IDS, "rejected_ids": TOKEN_IDS,
@@ -382,7 +386,20 @@ def load_causal_lm(name_or_path: str, **kwargs):
     return PeftModel.from_pretrained(base, folder).merge_and_unload()
 
 
-def load_policy_and_reference(cfg, args, data_folder: Path, train_set, eval_collate, table_path: Path
+def preview_pairs(pairs: datasets.Dataset, tokenizer, count: int) -> list[dict]:
+    """The first ``count`` pairs of ``tokenize_pairs`` as ``Task.preview`` gives rows: each pair twice, the prompt
+    with its chosen reply, then with its rejected one (``reply`` says which); the reply is what trains."""
+    previews = []
+    for pair in pairs.select(range(min(count, len(pairs)))):
+        for side in ("chosen", "rejected"):
+            reply = pair[f"{side}_ids"]
+            text = tokenizer.decode(pair["prompt_ids"] + reply)
+            previews.append({"example": pair["index"] + 1, "reply": side, "text": text,
+                             "trained": [tokenizer.decode(reply)]})
+    return previews
+
+
+def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set, eval_collate, table_path: Path
                               ) -> tuple[torch.nn.Module, Reference, str]:
     """The model preference tuning trains (``--model_name_or_path``, by default the default chat model; an adapter
     folder is folded into its base), with LoRA unless ``--no_use_lora``; its ``Reference``, whose log-probabilities
@@ -401,7 +418,7 @@ def load_policy_and_reference(cfg, args, data_folder: Path, train_set, eval_coll
         precomputation = Precomputation(train_set, eval_collate, cfg.per_device_eval_batch_size,
                                         args.per_device_eval_max_tokens, table_path,
                                         key=reference_key(model, precision, data_folder))
-    model, adapters = adapt_chat_model(model, args)
+    model, adapters = adapt_chat_model(model, args, tokenizer)
     folded = is_adapter_folder(name) and (
         f"from {name} folded into its base model (the saved adapter applies to that model; --merge_lora also saves "
         "one that stands alone)")

@@ -1,0 +1,170 @@
+"""Every text chat template TRL ships (its copies of the families' own templates), on the conversation shapes
+people fine-tune: each reply trains exactly as the model would generate it, or the row is refused for a reason the
+template itself forces.
+
+The definition, computed here independently of the package: for the assistant turn k the model sees
+``render(messages[:k], add_generation_prompt=True)`` and produces the rest of ``render(messages[:k + 1])``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import jinja2
+import pytest
+
+from finetune.errors import UserError
+from finetune.tasks.chat import end_of_turn_ids, read_tools, render_last_reply, render_rows
+
+trl = pytest.importorskip("trl")  # the test extra installs it; the templates are read from the installed package
+TEMPLATES = Path(trl.__file__).parent / "chat_templates"
+VISION = {"idefics3", "llava_next", "qwen2_5_vl", "qwen3_vl", "smolvlm", "lfm2_2_5_vl"}
+"""Image-and-text models' templates: the chat recipes train text models."""
+TEXT_TEMPLATES = sorted(path.stem for path in TEMPLATES.glob("*.jinja")
+                        if not path.stem.endswith("_training") and path.stem not in VISION)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+SHAPES = {
+    "one turn": [{"role": "user", "content": "Where is my parcel?"},
+                 {"role": "assistant", "content": "Team: shipping\nWe will track it today."}],
+    "system and three turns": [
+        {"role": "system", "content": "Route the ticket."},
+        {"role": "user", "content": "I was charged twice."}, {"role": "assistant", "content": "Team: billing"},
+        {"role": "user", "content": "And the app crashes."}, {"role": "assistant", "content": "Team: technical"},
+        {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "You are welcome."}],
+    "reasoning in think tags": [
+        {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "<think>Add them.</think>4"},
+        {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "<think>Add again.</think>6"}],
+    "reasoning in reasoning_content": [
+        {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Add them."},
+        {"role": "user", "content": "And 3 + 3?"},
+        {"role": "assistant", "content": "6", "reasoning_content": "Add again."}],
+    "a tool call and its result": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "name": "get_weather", "content": "Sunny, 21 C"},
+        {"role": "assistant", "content": "It is sunny in Paris, 21 C."}],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(chat_tokenizer):
+    """The default chat model's tokenizer under each template (the templates' own special tokens are text to it,
+    which changes no position)."""
+    made = {}
+    for name in TEXT_TEMPLATES:
+        made[name] = copy.deepcopy(chat_tokenizer)
+        made[name].chat_template = (TEMPLATES / f"{name}.jinja").read_text()
+    return made
+
+
+def render(tokenizer, messages, tools=None, **options):
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **options)
+
+
+def expected_replies(tokenizer, messages, tools=None):
+    """Per assistant turn, (what the model sees, what it produces), or why the template forces a refusal."""
+    replies = []
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        try:
+            before = render(tokenizer, messages[:turn], tools, add_generation_prompt=True)
+            through = render(tokenizer, messages[:turn + 1], tools)
+        except (jinja2.TemplateError, TypeError) as err:  # a filter's TypeError: tojson of a missing content
+            return f"the template raises: {err}"
+        if not through.startswith(before):
+            return "the template renders the reply otherwise than it prompts for it"
+        replies.append((before, through[len(before):]))
+    return replies
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("template", TEXT_TEMPLATES)
+def test_each_reply_trains_as_generated_or_the_template_forces_a_refusal(tokenizers, template, shape):
+    tokenizer, messages = tokenizers[template], SHAPES[shape]
+    tools = [WEATHER] if shape == "a tool call and its result" else None
+    expected = expected_replies(tokenizer, messages, tools)
+    try:
+        rows = render_rows([messages], tokenizer, ["train row 1"], [read_tools(tools, "train row 1")])[0]
+    except UserError as err:
+        assert isinstance(expected, str), f"refused, though every reply continues its prompt: {err}"
+        reason = ("the chat template refuses it" if expected.startswith("the template raises")
+                  else "renders this reply otherwise than it prompts for it")
+        assert str(err).startswith("train row 1") and reason in str(err), str(err)
+        return
+    assert not isinstance(expected, str), f"trained, though {expected}"
+    trained = [(text[:start], text[start:end]) for text, spans, _ in rows for start, end in spans]
+    assert trained == expected, "each reply's tokens, after exactly the context the model sees"
+    # The fewest rows: a new row starts only where the rendering through a reply does not go on from the last.
+    throughs = [before + reply for before, reply in expected]
+    breaks = sum(not later.startswith(earlier) for earlier, later in zip(throughs, throughs[1:], strict=False))
+    assert len(rows) == 1 + breaks
+
+
+@pytest.mark.parametrize("template", TEXT_TEMPLATES)
+def test_a_preference_reply_is_what_the_model_produces_after_the_prompt(tokenizers, template):
+    tokenizer, messages = tokenizers[template], SHAPES["system and three turns"]
+    expected = expected_replies(tokenizer, messages)
+    try:
+        (prompt, reply), = render_last_reply([messages], tokenizer, ["train row 1"])
+    except UserError:
+        assert isinstance(expected, str) and "raises" in expected or (
+            not render(tokenizer, messages).startswith(render(tokenizer, messages[:-1], add_generation_prompt=True)))
+        return
+    before = render(tokenizer, messages[:-1], add_generation_prompt=True)
+    assert (prompt, reply) == (before, render(tokenizer, messages)[len(before):])
+
+
+def test_history_rewritten_by_the_template_splits_a_conversation_into_rows(tokenizers):
+    """Qwen3 keeps a reply's reasoning only after the last user turn: the first reply, rendered with its reasoning
+    where the model produced it, is in a row of its own; the second reply's row holds the first without it."""
+    rows = render_rows([SHAPES["reasoning in reasoning_content"]], tokenizers["qwen3"], ["train row 1"])[0]
+    assert len(rows) == 2
+    (first_text, (first,), first_turn), (second_text, (second,), second_turn) = rows
+    assert "Add them." in first_text[first[0]:first[1]] and (first_turn, second_turn) == (1, 3)
+    assert "Add them." not in second_text and "Add again." in second_text[second[0]:second[1]]
+
+
+def test_a_template_that_ends_replies_with_a_special_token_stops_generation_there(chat_tokenizer):
+    """SmolLM2's template ends a reply with <|im_end|>, its end of sequence; a template ending them with another of
+    the tokenizer's special tokens adds that one."""
+    assert end_of_turn_ids(chat_tokenizer) == [chat_tokenizer.eos_token_id]
+    tokenizer = copy.deepcopy(chat_tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                               "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}\n{% endfor %}")
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert end != tokenizer.eos_token_id and end_of_turn_ids(tokenizer) == [tokenizer.eos_token_id, end]
+
+
+def test_a_tools_column_reaches_the_template(tokenizers):
+    messages = SHAPES["a tool call and its result"]
+    listed = read_tools(json.dumps([WEATHER]), "train row 1")
+    rows = render_rows([messages], tokenizers["qwen3"], ["train row 1"], [listed])[0]
+    assert rows and all("get_weather" in text and "The weather in a city." in text for text, _, _ in rows)
+    with pytest.raises(UserError, match="^train row 2: tools is dict; give a list of JSON function schemas"):
+        read_tools(json.dumps(WEATHER), "train row 2")
+
+
+def test_reasoning_given_in_the_data_trains_and_a_row_without_it_gets_no_stray_key(tokenizers, tmp_path):
+    """Through the recipe's tokenizing (Arrow gives every message every key any has, missing ones as None): the
+    reasoning of the row that has it trains, and the row that has none renders as it would alone."""
+    from datasets import Dataset
+    from helpers import tokenizing
+
+    from finetune.tasks.chat import IGNORE, tokenize_conversations
+
+    tokenizer = tokenizers["qwen3"]
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    rows = Dataset.from_dict({"messages": [SHAPES["reasoning in reasoning_content"], plain]})
+    tokenized = tokenize_conversations(rows, tokenizer, 512, "train", tokenizing(tmp_path))
+    assert tokenized["conversation"] == [0, 0, 1]
+    trained = [tokenizer.decode([label for label in row if label != IGNORE]) for row in tokenized["labels"]]
+    assert "Add them." in trained[0] and "Add again." in trained[1]
+    assert tokenizer.decode(tokenized["input_ids"][2]) == render(tokenizer, plain)
