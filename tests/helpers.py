@@ -277,6 +277,21 @@ def limit_file_size():
 
 # -- data files
 
+def note_longest_texts(monkeypatch) -> list[int]:
+    """From now on in the test, the length of the longest text each tokenizer call gets, in call order."""
+    import transformers
+
+    longest = []
+    call = transformers.PreTrainedTokenizerBase.__call__
+
+    def noting(self, text=None, *args, **kwargs):
+        longest.append(max(map(len, text if isinstance(text, list) else [text]), default=0))
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", noting)
+    return longest
+
+
 def write_csv(path: Path, rows: list[dict]) -> Path:
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -19,6 +19,7 @@ from helpers import (
     data_flags,
     launch_cmd,
     load_recipe,
+    note_longest_texts,
     parity_flags,
     recipe_path,
     run,
@@ -498,22 +499,13 @@ def test_a_pair_is_cut_only_where_the_order_of_its_lengths_stays(tmp_path):
 
 def test_a_row_of_megabytes_is_not_tokenized_whole(tmp_path, monkeypatch):
     """Before, the whole text was tokenized and then cut: one 21 MB row took 607 s and 3.25 GB."""
-    import transformers
-
     rows = [{"text": "please refund my order " * 100_000, "label": "billing"},
             *({"text": f"ticket {i}", "label": "ab"[i % 2]} for i in range(7))]
     flags = ["--train_file", write_jsonl(tmp_path / "t.jsonl", rows), "--validation_file",
              str(tickets(tmp_path / "v.jsonl", "ab")), "--dataset_cache_dir", str(tmp_path / "cache"),
              "--max_seq_length", "32"]
     task, cfg, tokenizer = classify(flags)
-    longest = []
-    call = transformers.PreTrainedTokenizerBase.__call__
-
-    def noting_the_longest_text(self, text=None, *args, **kwargs):
-        longest.append(max(map(len, text if isinstance(text, list) else [text]), default=0))
-        return call(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", noting_the_longest_text)
+    longest = note_longest_texts(monkeypatch)
     data = load_or_build(task, cfg, tokenizer)
     assert max(longest) <= 16 * 32, "no text longer than 16 characters a kept token reached the tokenizer"
     assert data.train[0]["input_ids"] == tokenizer("please refund my order " * 30, truncation=True,

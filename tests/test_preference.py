@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from helpers import tiny_llama, tokenizing
+from helpers import note_longest_texts, tiny_llama, tokenizing
 from transformers import AutoModelForCausalLM
 
 from finetune.data.batching import TokenizedDataset
@@ -315,21 +315,13 @@ def test_a_ddp_wrapper_does_not_hide_the_adapters_from_the_reference(tokenizer, 
 def test_a_reply_of_megabytes_is_cut_before_it_is_tokenized(tokenizer, tmp_path, monkeypatch):
     """The pair's texts are cut before they are tokenized: a chosen reply of megabytes keeps the tokens of one
     short enough to tokenize whole, and no text much longer than what is kept reaches the tokenizer."""
-    import transformers
 
     def rows(reply_repeats):
         return {"prompt": [[USER]], "chosen": [[assistant("Sorry for the wait. " * reply_repeats)]],
                 "rejected": [[assistant("Noted.")]]}
 
     short = tokenize(rows(100), tokenizer, tmp_path, max_length=64)
-    longest = []
-    call = transformers.PreTrainedTokenizerBase.__call__
-
-    def noting_the_longest_text(self, text=None, *args, **kwargs):
-        longest.append(max(map(len, text if isinstance(text, list) else [text]), default=0))
-        return call(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", noting_the_longest_text)
+    longest = note_longest_texts(monkeypatch)
     huge = tokenize(rows(100_000), tokenizer, tmp_path, max_length=64)
     assert short[0]["cut"] and len(short[0]["prompt_ids"]) + len(short[0]["chosen_ids"]) == 64
     for column in ("prompt_ids", "chosen_ids", "rejected_ids"):

@@ -14,6 +14,7 @@ from helpers import (
     assert_adapter_replies_as_generated,
     assert_refused,
     log_history,
+    note_longest_texts,
     read_jsonl,
     read_results,
     run_on,
@@ -388,21 +389,13 @@ def test_resuming_a_lora_checkpoint_on_another_base_model_is_refused(tiny_chat_m
 def test_a_reply_of_megabytes_is_cut_before_it_is_tokenized(tokenizer, tmp_path, monkeypatch):
     """What can never fit is cut from the rendered text first: the tokens kept equal those of a reply short
     enough to tokenize whole, and no text much longer than what is kept reaches the tokenizer."""
-    import transformers
 
     def conversation(reply_repeats):
         return [{"role": "user", "content": "Where is my parcel?"},
                 {"role": "assistant", "content": "Sorry for the wait. " * reply_repeats}]
 
     short = tokenize_chats([conversation(100)], tokenizer, tmp_path, max_length=64)
-    longest = []
-    call = transformers.PreTrainedTokenizerBase.__call__
-
-    def noting_the_longest_text(self, text=None, *args, **kwargs):
-        longest.append(max(map(len, text if isinstance(text, list) else [text]), default=0))
-        return call(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__call__", noting_the_longest_text)
+    longest = note_longest_texts(monkeypatch)
     huge = tokenize_chats([conversation(100_000)], tokenizer, tmp_path, max_length=64)
     assert len(short[0]["input_ids"]) == 64
     assert huge[0]["input_ids"] == short[0]["input_ids"] and huge[0]["labels"] == short[0]["labels"]
