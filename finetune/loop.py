@@ -118,7 +118,8 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         schedule = Schedule.of(sampler.batches_per_rank, cfg)
         scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps, schedule.max_steps)
 
-        # -- resume: weights, optimizer, schedule, RNG and the position in the epoch (see _resume)
+        # -- resume: weights, optimizer, schedule, RNG and the position in the epoch, at another world size too
+        # when the global batch is kept
         progress = _fresh_progress(cfg, runtime, setup.model)
         model, optimizer, scheduler, train_loader, eval_loader = runtime.prepare(
             setup.model, optimizer, scheduler, train_loader, eval_loader)

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import jinja2
 import pytest
+import trl
 
 from finetune.errors import UserError
 from finetune.tasks.chat import end_of_turn_ids, read_tools, render_last_reply, render_rows
 
-trl = pytest.importorskip("trl")  # the test extra installs it; the templates are read from the installed package
 TEMPLATES = Path(trl.__file__).parent / "chat_templates"
+"""Read from the installed TRL (the test extra), not copied into the repository."""
 VISION = {"idefics3", "llava_next", "qwen2_5_vl", "qwen3_vl", "smolvlm", "lfm2_2_5_vl"}
 """Image-and-text models' templates: the chat recipes train text models."""
 TEXT_TEMPLATES = sorted(path.stem for path in TEMPLATES.glob("*.jinja")
