@@ -26,12 +26,16 @@ from finetune.data.batching import LOSS_UNITS
 from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.errors import UserError
 
-__all__ = ["IGNORE", "ROLES", "check_conversation", "conversation_layout", "end_of_turn_ids", "preview_rows",
-           "read_conversations", "read_tools", "render_last_reply", "render_rows", "require_chat_template",
-           "split_conversations", "tokenize_conversations", "without_nulls", "write_generations"]
+__all__ = ["IGNORE", "ROLES", "TEMPLATE_ERRORS", "check_conversation", "conversation_layout", "end_of_turn_ids",
+           "preview_rows", "read_conversations", "read_tools", "render_last_reply", "render_rows",
+           "require_chat_template", "rows_tools", "split_conversations", "tokenize_conversations", "without_nulls",
+           "write_generations"]
 
 IGNORE = -100
 ROLES = ("system", "developer", "user", "assistant", "tool")
+TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError)
+"""What a template raises on data it does not take: its own raise_exception, and its filters' errors (tojson of a
+missing content is a TypeError)."""
 
 
 def conversation_layout(split: datasets.Dataset, name: str) -> tuple[str, ...]:
@@ -66,8 +70,7 @@ def read_conversations(batch: dict, rows: list[int], layout: tuple[str, ...], na
                          for prompt, completion in zip(batch["prompt"], batch["completion"], strict=True)]
     conversations = [[without_nulls(message) for message in messages] if isinstance(messages, list) else messages
                      for messages in conversations]
-    tools = [read_tools(value, f"{name} row {row + 1}") for row, value in
-             zip(rows, batch.get("tools") or [None] * len(rows), strict=True)]
+    tools = rows_tools(batch, rows, name)
     for row, messages in zip(rows, conversations, strict=True):
         check_conversation(messages, f"{name} row {row + 1}")
     return conversations, tools
@@ -81,6 +84,12 @@ def without_nulls(value):
     if isinstance(value, list):
         return [without_nulls(item) for item in value]
     return value
+
+
+def rows_tools(batch: dict, rows: list[int], name: str) -> list[str | None]:
+    """Each row's ``tools`` (``read_tools``); None for every row of data without a ``tools`` column."""
+    return [read_tools(value, f"{name} row {row + 1}")
+            for row, value in zip(rows, batch.get("tools") or [None] * len(rows), strict=True)]
 
 
 def read_tools(value, where: str) -> str | None:
@@ -297,11 +306,11 @@ def _render(conversations: list[list[dict]], tools: list[str | None], tokenizer,
             kwargs["tools"] = json.loads(listed)
         try:
             rendered = tokenizer.apply_chat_template([conversations[i] for i in members], **kwargs)
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError):
+        except TEMPLATE_ERRORS:
             for i in members:  # one at a time, to name the row the template refuses
                 try:
                     tokenizer.apply_chat_template(conversations[i], **kwargs)
-                except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as err:
+                except TEMPLATE_ERRORS as err:
                     raise UserError(f"{where[i]}: the chat template refuses it ({type(err).__name__}: "
                                     f"{str(err).strip()[:200]}); change the row to a form the template takes (a "
                                     "template without a system role: fold the system message into the first user "

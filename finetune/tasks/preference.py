@@ -34,7 +34,7 @@ from finetune.distributed.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
 from finetune.models.loading import default_chat_model_path, from_pretrained
 from finetune.tasks.causal_lm import adapt_chat_model, label_log_probs, shared_prompt_log_probs
-from finetune.tasks.chat import IGNORE, check_conversation, read_tools, render_last_reply, without_nulls
+from finetune.tasks.chat import IGNORE, check_conversation, render_last_reply, rows_tools, without_nulls
 
 __all__ = ["LOSS_TYPES", "PAIR_FIGURES", "PairCollator", "Precomputation", "PromptRepliesCollator", "Reference",
            "check_loss_options", "dpo_loss", "is_adapter_folder", "load_causal_lm", "load_policy_and_reference",
@@ -151,8 +151,7 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
 
     def encode(batch, rows):
         pairs = read_pairs(batch, rows, layout, name)
-        tools = [read_tools(value, f"{name} row {row + 1}") for row, value in
-                 zip(rows, batch.get("tools") or [None] * len(rows), strict=True)]
+        tools = rows_tools(batch, rows, name)
         rendered = render_last_reply([[*prompt, reply] for prompt, chosen, rejected in pairs
                                       for reply in (chosen, rejected)],
                                      tokenizer, [f"{name} row {row + 1}" for row in rows for _ in range(2)],
