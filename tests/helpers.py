@@ -185,8 +185,11 @@ def wait_for(condition: Callable[[], object], what: str, job: Running | None = N
     """Poll ``condition`` every ``interval`` seconds until it is true and return its value; fail if ``job`` ends
     first or ``timeout`` seconds pass (then ending ``job``), showing ``log``'s end, when given."""
     deadline = time.monotonic() + timeout
-    while not (found := condition()):
+    while True:
+        # whether the job has ended is asked first: a condition the job meets as it ends is then seen
         ended = job.poll() if job is not None else None
+        if found := condition():
+            return found
         if ended is not None or time.monotonic() > deadline:
             if ended is not None:
                 why = f"{job} ended"
@@ -197,7 +200,6 @@ def wait_for(condition: Callable[[], object], what: str, job: Running | None = N
             tail = log.read_text(errors="replace")[-6000:] if log and log.exists() else ""
             raise AssertionError(f"gave up waiting for {what}: {why}\n{tail}")
         time.sleep(interval)
-    return found
 
 
 def training_processes(processes: Iterable[psutil.Process], script: str = "classify.py",
@@ -245,7 +247,7 @@ def start_and_signal(command: list[str], sig: signal.Signals, target: str, recip
     lines = []
     for line in job.stdout:
         lines.append(line)
-        if line.startswith(f"training {recipe} on"):
+        if f"training {recipe} on" in line:  # (another process's unfinished line may come before it)
             break
     else:
         raise AssertionError("".join(lines[-40:]))
@@ -406,11 +408,11 @@ def assert_weights_match_a_parity_run(reference, other) -> None:
 
 def assert_adapter_replies_as_generated(out: Path, base_model, max_new_tokens: int, merged_atol: float) -> int:
     """The adapter saved in ``out``, loaded onto ``base_model`` in this process, greedily replies to each prompt of
-    ``out/eval_generations.jsonl`` what the run generated, and ``out/merged`` gives its logits within
-    ``merged_atol``; returns how many generations there were."""
+    ``out/eval_generations.jsonl`` what the run generated (stopping where ``out/generation_config.json`` says), and
+    ``out/merged`` gives its logits within ``merged_atol``; returns how many generations there were."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), out).eval()
@@ -420,7 +422,8 @@ def assert_adapter_replies_as_generated(out: Path, base_model, max_new_tokens: i
         ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)
         with torch.no_grad():
-            reply = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids["input_ids"].shape[1]:]
+            reply = model.generate(**ids, generation_config=GenerationConfig.from_pretrained(out),
+                                   max_new_tokens=max_new_tokens, do_sample=False)[0, ids["input_ids"].shape[1]:]
             torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, atol=merged_atol, rtol=0)
         assert tokenizer.decode(reply, skip_special_tokens=True) == row["generation"]
     return len(generations)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import jinja2
 import pytest
 import trl
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from finetune.errors import UserError
 from finetune.tasks.chat import end_of_turn_ids, read_tools, render_last_reply, render_rows
@@ -25,6 +27,9 @@ VISION = {"idefics3", "llava_next", "qwen2_5_vl", "qwen3_vl", "smolvlm", "lfm2_2
 """Image-and-text models' templates: the chat recipes train text models."""
 TEXT_TEMPLATES = sorted(path.stem for path in TEMPLATES.glob("*.jinja")
                         if not path.stem.endswith("_training") and path.stem not in VISION)
+TRAINING_TEMPLATES = sorted(path.stem.removesuffix("_training") for path in TEMPLATES.glob("*_training.jinja")
+                            if path.stem.removesuffix("_training") not in VISION)
+"""The families whose template TRL also ships as a ``*_training`` variant with ``{% generation %}`` markers."""
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -169,3 +174,65 @@ def test_reasoning_given_in_the_data_trains_and_a_row_without_it_gets_no_stray_k
     trained = [tokenizer.decode([label for label in row if label != IGNORE]) for row in tokenized["labels"]]
     assert "Add them." in trained[0] and "Add again." in trained[1]
     assert tokenizer.decode(tokenized["input_ids"][2]) == render(tokenizer, plain)
+
+
+MARKERS_LEAVE_OUT = {("diffusion_gemma", "a tool call and its result"): ["<|tool_response>", "<|turn>model\n"]}
+"""Text the model produces that a training variant's ``{% generation %}`` blocks leave unmarked: Gemma 4's tool-call
+turn ends with ``<|tool_response>``, and after a tool's result the model opens its next turn itself (the template's
+generation prompt there adds nothing)."""
+
+NOTHING_TO_COMPARE = {"glm4moe": "its variant renders every shape otherwise than its own template",
+                      "deepseek_r1_distill": "every shape is refused", "deepseekv3": "every shape is refused"}
+
+
+def characters(spans) -> set[int]:
+    return {at for start, end in spans for at in range(start, end)}
+
+
+def runs(text: str, positions: set[int]) -> list[str]:
+    """The maximal runs of ``positions`` in ``text``, in order."""
+    found: list[list[int]] = []
+    for at in sorted(positions):
+        if found and found[-1][1] == at:
+            found[-1][1] = at + 1
+        else:
+            found.append([at, at + 1])
+    return [text[start:end] for start, end in found]
+
+
+@pytest.mark.parametrize("template", TRAINING_TEMPLATES)
+def test_the_trained_spans_are_what_the_training_variants_generation_markers_mark_minus_the_prompt(tokenizers,
+                                                                                                template):
+    """Per row the package makes with the family's own template, where the ``*_training`` variant renders the same
+    text: within each reply the row trains, the marked characters less the generation prompt (which the model is
+    given, not produces; Qwen2.5's marker opens before the prompt's last newline, gpt-oss's before
+    ``<|start|>assistant``) are the trained ones. Earlier replies a row holds as context stay untrained, though the
+    markers mark them."""
+    tokenizer = tokenizers[template]
+    marked_template = (TEMPLATES / f"{template}_training.jinja").read_text()
+    compared = 0
+    for shape, messages in SHAPES.items():
+        tools = [WEATHER] if shape == "a tool call and its result" else None
+        try:
+            rows = render_rows([messages], tokenizer, ["train row 1"], [read_tools(tools, "train row 1")])[0]
+        except UserError:
+            continue  # refused (the test above says why); nothing trains
+        for text, spans, last in rows:
+            (marked_text,), (marked,) = render_jinja_template(
+                [messages[:last + 1]], tools=tools, chat_template=marked_template, return_assistant_tokens_mask=True,
+                **tokenizer.special_tokens_map)
+            if marked_text != text:
+                continue  # the variant renders this history otherwise (Qwen3's keeps earlier reasoning)
+            prompt, replies = set(), set()
+            turns = [k for k, m in enumerate(messages[:last + 1]) if m["role"] == "assistant"][-len(spans):]
+            for turn in turns:
+                through = render(tokenizer, messages[:turn + 1], tools)
+                opens = len(os.path.commonprefix([render(tokenizer, messages[:turn], tools), through]))
+                prompt |= set(range(opens, len(render(tokenizer, messages[:turn], tools, add_generation_prompt=True))))
+                replies |= set(range(opens, len(through)))
+            expected = (characters(marked) & replies) - prompt
+            trained = characters(spans)
+            assert runs(text, trained - expected) == MARKERS_LEAVE_OUT.get((template, shape), []), shape
+            assert trained >= expected, shape
+            compared += 1
+    assert compared > 0 or template in NOTHING_TO_COMPARE

