@@ -417,13 +417,13 @@ def assert_adapter_replies_as_generated(out: Path, base_model, max_new_tokens: i
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), out).eval()
     merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
-    generations = read_jsonl(out / "eval_generations.jsonl")
+    generations, stops = read_jsonl(out / "eval_generations.jsonl"), GenerationConfig.from_pretrained(out)
     for row in generations:
         ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)
         with torch.no_grad():
-            reply = model.generate(**ids, generation_config=GenerationConfig.from_pretrained(out),
-                                   max_new_tokens=max_new_tokens, do_sample=False)[0, ids["input_ids"].shape[1]:]
+            reply = model.generate(**ids, generation_config=stops, max_new_tokens=max_new_tokens,
+                                   do_sample=False)[0, ids["input_ids"].shape[1]:]
             torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, atol=merged_atol, rtol=0)
         assert tokenizer.decode(reply, skip_special_tokens=True) == row["generation"]
     return len(generations)
