@@ -46,9 +46,9 @@ from finetune.checkpointing.preemption import StopSignals
 from finetune.config import TrainConfig
 from finetune.data.batching import GlobalBatchSampler
 from finetune.data.cache import load_or_build
-from finetune.distributed.ddp import pad_second_dim
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
+from finetune.evaluation import Evaluation
 from finetune.hub.pusher import HubPusher, download_last_checkpoint, model_card
 from finetune.models.loading import optimizer_param_groups
 from finetune.observability.metering import TrainingMeter
@@ -102,11 +102,13 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         # batches planned globally (see finetune.data.cache and finetune.data.batching)
         tokenizer = task.load_tokenizer(cfg)
         data = load_or_build(task, cfg, tokenizer, runtime)
+        if hasattr(task, "close"):
+            closing.callback(task.close)
         setup = task.setup(cfg, tokenizer, data)
-        sampler = GlobalBatchSampler(setup.train_set.lengths, cfg.per_device_train_batch_size, runtime.world_size,
-                                     seed=cfg.seed, group_by_length=cfg.group_by_length,
-                                     accumulation_steps=cfg.gradient_accumulation_steps,
-                                     loss_units=setup.train_set.loss_units)
+        sampler = setup.sampler or GlobalBatchSampler(
+            setup.train_set.lengths, cfg.per_device_train_batch_size, runtime.world_size, seed=cfg.seed,
+            group_by_length=cfg.group_by_length, accumulation_steps=cfg.gradient_accumulation_steps,
+            loss_units=setup.train_set.loss_units)
         train_loader = runtime.train_loader(setup.train_set, sampler, setup.collate)
         eval_loader = runtime.eval_loader(setup.eval_set, cfg.per_device_eval_batch_size,
                                           setup.eval_collate or setup.collate)
@@ -216,8 +218,12 @@ class Epochs:
         progress.epoch = epoch
         self.model.train()
         plan = self.sampler.plan(epoch, self.runtime.rank)[progress.batches_in_epoch:]
-        batches = self.runtime.epoch_batches(self.train_loader, epoch, skip_batches=progress.batches_in_epoch)
-        for batch, planned in zip(batches, plan, strict=True):
+        batches = zip(self.runtime.epoch_batches(self.train_loader, epoch, skip_batches=progress.batches_in_epoch),
+                      plan, strict=True)
+        if hasattr(self.task, "rollout"):  # an online task trains on what the model generates from each window
+            batches = _rolled_out(batches, lambda window: self.task.rollout(self.runtime.unwrap(self.model), window,
+                                                                            epoch))
+        for batch, planned in batches:
             self._micro_step(batch, planned)
             progress.batches_in_epoch += 1
             if self.runtime.sync_gradients:
@@ -245,7 +251,8 @@ class Epochs:
                 self.scheduler.step()
                 self.optimizer.zero_grad()
         if planned.num_real:
-            self.meter.add(loss, planned.units, planned.num_real, real_tokens=int(self.sampler.lengths[planned].sum()),
+            real_tokens = planned.real_tokens or int(self.sampler.lengths[planned].sum())
+            self.meter.add(loss, planned.units, planned.num_real, real_tokens=real_tokens,
                            processed_tokens=batch["input_ids"].numel(), figures=figures)
 
     def _after_step(self, epoch: int) -> None:
@@ -255,7 +262,8 @@ class Epochs:
         self.guard.step_done()
         if step % cfg.logging_steps == 0 or step >= self.max_steps:
             self.guard.check_finite()
-            logs = {**self.meter.interval(), "learning_rate": self.scheduler.get_last_lr()[0], "epoch": epoch}
+            logs = {**self.meter.interval(), **getattr(self.task, "interval_logs", dict)(),
+                    "learning_rate": self.scheduler.get_last_lr()[0], "epoch": epoch}
             if self.grad_norm is not None:
                 logs["grad_norm"] = float(self.grad_norm)
             _log_interval(self.runtime, cfg.output_dir, logs, step)
@@ -268,35 +276,17 @@ class Epochs:
         self.guard.stop_if_signalled()
 
 
-class Evaluation:
-    """Exact metrics over the whole evaluation set (each example once, whatever the world size) and every
-    example's outputs in order, computed at most once a step and logged to the trackers; ``before_batch`` runs
-    before each batch, so an evaluation (which may generate for minutes) never keeps a stop waiting."""
-
-    def __init__(self, runtime: Runtime, task: Task, model, eval_loader, before_batch: Callable[[], None]):
-        self.runtime, self.task, self.model, self.eval_loader = runtime, task, model, eval_loader
-        self.before_batch = before_batch
-        self._step, self._latest = None, ({}, ())
-
-    def at(self, step: int) -> tuple[dict[str, float], tuple]:
-        """The ``eval_*`` metrics and the outputs of the model at optimizer step ``step``; the model's mode is kept."""
-        if step != self._step:
-            training = self.model.training
-            self._latest, self._step = self._evaluate(), step
-            self.runtime.log(self._latest[0], step=step)
-            self.model.train(training)
-        return self._latest
-
-    def _evaluate(self) -> tuple[dict[str, float], tuple]:
-        self.model.eval()
-        batches = []
-        with torch.no_grad():
-            for batch in self.eval_loader:
-                self.before_batch()
-                outputs = self.task.eval_outputs(self.runtime.unwrap(self.model), batch)
-                batches.append([values.cpu() for values in self.runtime.gather_for_metrics(outputs)])
-        outputs = tuple(_concat_padded(list(column)) for column in zip(*batches, strict=True))
-        return {f"eval_{name}": value for name, value in self.task.metrics(outputs).items()}, outputs
+def _rolled_out(batches, rollout: Callable[[list], list]):
+    """``batches`` (pairs of a batch and its ``PlannedBatch``) a window at a time through ``rollout``, which turns
+    a window's prompts into the batches that train on the completions it generates."""
+    window: list = []
+    for pair in batches:
+        if window and pair[1].window != window[0][1].window:
+            yield from rollout(window)
+            window = []
+        window.append(pair)
+    if window:
+        yield from rollout(window)
 
 
 def _fresh_progress(cfg: TrainConfig, runtime: Runtime, model) -> Progress:
@@ -401,14 +391,6 @@ def _main_process_choice(runtime: Runtime, chosen: Path | None, output_dir: str)
     if step == -2:
         return chosen
     return None if step < 0 else checkpoint_path(output_dir, int(step))
-
-
-def _concat_padded(tensors: list[torch.Tensor], pad_index: int = -100) -> torch.Tensor:
-    """Concatenate along the batch dimension, padding a second dimension with ``pad_index`` to the longest."""
-    if tensors[0].dim() > 1:
-        longest = max(t.shape[1] for t in tensors)
-        tensors = [pad_second_dim(t, longest, pad_index) for t in tensors]
-    return torch.cat(tensors)
 
 
 def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, tokenizer, data_source: str, hub: HubPusher,

@@ -29,6 +29,9 @@ class TaskSetup:
     """For the start-up line, e.g. ``"4 labels"``."""
     eval_collate: Callable[[list[dict]], dict] | None = None
     """Rows to an evaluation batch, when it differs from ``collate`` (packed training, padded evaluation)."""
+    sampler: Any = None
+    """The plan of training batches, for a task that plans its own (GRPO's ``RolloutSampler``); default the
+    loop's ``GlobalBatchSampler`` over ``train_set``."""
     truncated: int | None = None
     """How many training examples were cut to ``--max_seq_length``, for the start-up line; default: those whose
     length reaches it (a task whose lengths count more than one row says it)."""
@@ -100,6 +103,19 @@ class Task(Protocol):
 
     def save(self, model, state_dict: dict, tokenizer, output_dir: str) -> None:
         """Save the unwrapped model (main process only): a full model or an adapter."""
+
+    def rollout(self, model, window: list[tuple[dict, Any]], epoch: int) -> list[tuple[dict, Any]]:
+        """Optional, for a task that trains on what the model generates (GRPO): a window's micro-batches of prompts
+        (pairs of a batch and its ``finetune.data.batching.PlannedBatch``, every one of an optimizer step, or of
+        several that reuse one rollout) to the micro-batches that train, each with its loss units and scale, known
+        only once the completions are. ``model`` is unwrapped; every process calls it for the same windows."""
+
+    def interval_logs(self) -> dict[str, float]:
+        """Optional: the task's own figures of the logging interval that ends (the same on every process, which
+        all call it)."""
+
+    def close(self) -> None:
+        """Optional: release what the task started (GRPO's reward workers) when the run ends, however it ends."""
 
     def preview(self, data, tokenizer, count: int) -> list[dict]:
         """Optional (``--prepare_only --preview_rows``): the first ``count`` training rows as ``{"example": the data

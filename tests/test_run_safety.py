@@ -166,15 +166,15 @@ def test_weights_an_update_made_non_finite_are_never_saved(small_data, tiny_bert
 def test_a_model_whose_evaluation_loss_is_not_finite_is_never_saved(small_data, tiny_bert, tmp_path, monkeypatch):
     """Finite weights with a non-finite evaluation loss (the evaluation made to report NaN here, in this process)
     stop the final save: the earlier model stays."""
-    import finetune.loop
+    import finetune.evaluation
 
-    evaluate = finetune.loop.Evaluation._evaluate
+    evaluate = finetune.evaluation.Evaluation._evaluate
 
     def nan_loss(self):
         metrics, outputs = evaluate(self)
         return {**metrics, "eval_loss": float("nan")}, outputs
 
-    monkeypatch.setattr(finetune.loop.Evaluation, "_evaluate", nan_loss)
+    monkeypatch.setattr(finetune.evaluation.Evaluation, "_evaluate", nan_loss)
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.safetensors").write_text("the earlier run's model")

@@ -82,12 +82,17 @@ class PlannedBatch(list):
     filler example that keeps the rank stepping with the others; a filler's ``loss_scale`` is 0.
     """
 
-    def __init__(self, indices: list[int], num_real: int, units: int, loss_scale: float):
+    def __init__(self, indices: list[int], num_real: int, units: int, loss_scale: float, window: int = 0,
+                 real_tokens: int | None = None):
         super().__init__(indices)
         self.num_real = num_real
         self.units = units
         """Loss units of the real examples in this share."""
         self.loss_scale = loss_scale
+        self.window = window
+        """Which window (optimizer step's global batch) of the epoch the share belongs to."""
+        self.real_tokens = real_tokens
+        """Tokens of the real examples, where they are not the examples' planned lengths (a rollout's completions)."""
 
 
 class RankPlan:
@@ -95,9 +100,9 @@ class RankPlan:
     making the ones before it."""
 
     def __init__(self, offsets: np.ndarray, indices: np.ndarray, num_real: np.ndarray, units: np.ndarray,
-                 loss_scale: np.ndarray, start: int = 0):
+                 loss_scale: np.ndarray, window: np.ndarray, start: int = 0):
         self.offsets, self.indices = offsets, indices
-        self.num_real, self.units, self.loss_scale = num_real, units, loss_scale
+        self.num_real, self.units, self.loss_scale, self.window = num_real, units, loss_scale, window
         self.start = start
 
     def __len__(self) -> int:
@@ -107,11 +112,12 @@ class RankPlan:
         if isinstance(key, slice):
             if key.step not in (None, 1) or key.stop is not None:
                 raise ValueError("a plan is sliced from a start only: plan[k:]")
-            return RankPlan(self.offsets, self.indices, self.num_real, self.units, self.loss_scale,
+            return RankPlan(self.offsets, self.indices, self.num_real, self.units, self.loss_scale, self.window,
                             self.start + min(key.start or 0, len(self)))
         batch = self.start + key
         return PlannedBatch(self.indices[self.offsets[batch]:self.offsets[batch + 1]].tolist(),
-                            int(self.num_real[batch]), int(self.units[batch]), float(self.loss_scale[batch]))
+                            int(self.num_real[batch]), int(self.units[batch]), float(self.loss_scale[batch]),
+                            int(self.window[batch]))
 
     def __iter__(self):
         for batch in range(len(self)):
@@ -238,7 +244,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
             real_slots = np.ones(len(indices), dtype=bool)
             real_slots[offsets[:-1][fillers]] = False
             indices[real_slots] = order[mine]
-            plans.append(RankPlan(offsets, indices, num_real, units.astype(np.int64), np.where(fillers, 0.0, scale)))
+            plans.append(RankPlan(offsets, indices, num_real, units.astype(np.int64), np.where(fillers, 0.0, scale),
+                                  window_of_batch))
         return plans
 
 

@@ -30,9 +30,10 @@ from finetune.models.lora import add_lora, save_adapter
 from finetune.task import ModelCardInfo
 from finetune.tasks.chat import IGNORE, end_of_turn_ids, require_chat_template, write_generations
 
-__all__ = ["CausalLMArguments", "ChatModelArguments", "ChatTask", "EvalReplies", "adapt_chat_model", "chat_model_card",
-           "check_output_layer", "decode_replies", "greedy_replies", "label_log_probs", "language_model_collators",
-           "load_chat_tokenizer", "save_chat_model", "shared_prompt_log_probs", "split_by_tokens", "summed_log_probs"]
+__all__ = ["CausalLMArguments", "ChatModelArguments", "ChatTask", "EvalReplies", "adapt_chat_model", "cache_keyword",
+           "chat_model_card", "check_output_layer", "decode_replies", "greedy_replies", "label_log_probs",
+           "language_model_collators", "load_chat_tokenizer", "save_chat_model", "shared_prompt_log_probs",
+           "split_by_tokens", "summed_log_probs"]
 
 LOGITS_PER_CHUNK = 2**24
 """Logits computed at once (64 MiB in float32): a chunk holds ``LOGITS_PER_CHUNK // vocabulary`` positions."""
@@ -149,18 +150,19 @@ def adapt_chat_model(model, args: ChatModelArguments, tokenizer) -> tuple[torch.
 
 
 class EvalReplies:
-    """Greedy replies to the first validation prompts at each evaluation (``--eval_generate``; by default all of
-    them where the data has a check of its replies, else none): generated in token budgets, decoded, scored by the
-    data's ``score_replies`` against ``answers`` where it has one (the embedded data), and written with their
-    prompts and reference replies to ``eval_generations.jsonl``.
+    """Greedy replies to the first validation prompts at each evaluation (``count``, else ``--eval_generate``; by
+    default all of them where the data has a check of its replies, else none): generated in token budgets, decoded,
+    scored by the data's ``score_replies`` against ``answers`` where it has one (the embedded data), and written with
+    their prompts and reference replies to ``eval_generations.jsonl``.
 
     ``validation`` is the split tokenized with generation prompts (``prompt_ids``, ``prompt_messages``,
     ``reference``).
     """
 
     def __init__(self, validation, tokenizer, args: ChatModelArguments, answers: list | None = None,
-                 score_replies=None):
-        count = args.eval_generate if args.eval_generate is not None else len(validation) if answers else 0
+                 score_replies=None, count: int | None = None):
+        if count is None:
+            count = args.eval_generate if args.eval_generate is not None else len(validation) if answers else 0
         self.prompted = validation.select(range(min(count, len(validation))))
         self.prompts = list(self.prompted["prompt_ids"])
         self.tokenizer, self.args, self.answers, self.score_replies = tokenizer, args, answers, score_replies
@@ -213,10 +215,11 @@ def language_model_collators(tokenizer, packing: bool | None) -> tuple:
     return train, padded, packed, flash
 
 
-def label_log_probs(model, batch: dict, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def label_log_probs(model, batch: dict, chunk_size: int | None = None, temperature: float = 1.0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_probs, labels)``, both ``[batch, length - 1]``: each position's float32 log-probability of the next
-    token's label, and that label; positions labelled ``IGNORE`` have log-probability 0. ``batch`` loses its
-    labels.
+    token's label (from logits divided by ``temperature``, as sampling at it draws), and that label; positions
+    labelled ``IGNORE`` have log-probability 0. ``batch`` loses its labels.
 
     ``model`` may be wrapped (DDP): its own forward runs, so that DDP's gradient hooks work; its output layer is
     then applied to the labelled positions only, ``chunk_size`` of them at a time (default: as many as hold
@@ -232,12 +235,13 @@ def label_log_probs(model, batch: dict, chunk_size: int | None = None) -> tuple[
         raise UserError(f"{type(inner).__name__} never calls its output layer (get_output_embeddings()) in its "
                         "forward; the chat recipes need a model that does")
     labelled = next_labels != IGNORE
-    log_probs = _head_log_probs(inner, seen, seen["hidden"][:, :-1][labelled], next_labels[labelled], chunk_size)
+    log_probs = _head_log_probs(inner, seen, seen["hidden"][:, :-1][labelled], next_labels[labelled], chunk_size,
+                                temperature)
     return torch.zeros(next_labels.shape, device=log_probs.device).masked_scatter(labelled, log_probs), next_labels
 
 
-def _head_log_probs(model, seen: dict, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = None
-                    ) -> torch.Tensor:
+def _head_log_probs(model, seen: dict, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = None,
+                    temperature: float = 1.0) -> torch.Tensor:
     """``[positions]``: the float32 log-probability of each target from the hidden state before it, ``model``'s
     output layer applied under the autocast state ``seen`` noted (``_output_layer_input``), ``chunk_size``
     positions at a time, each chunk's logits recomputed in the backward pass instead of kept."""
@@ -248,7 +252,7 @@ def _head_log_probs(model, seen: dict, hidden: torch.Tensor, targets: torch.Tens
     def log_probs_of(positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type, dtype=dtype, enabled=autocast):  # as the model's forward applies its head
             logits = head(positions)
-        return -torch.nn.functional.cross_entropy(transform(logits.float()), labels, reduction="none")
+        return -torch.nn.functional.cross_entropy(transform(logits.float()) / temperature, labels, reduction="none")
 
     size = chunk_size or max(1, LOGITS_PER_CHUNK // head.weight.shape[0])
     chunks = zip(hidden.split(size), targets.split(size), strict=True)
@@ -281,7 +285,7 @@ def shared_prompt_log_probs(model, batch: dict, max_tokens: int) -> torch.Tensor
 
 def _shared_prompt_pass(model, batch: dict, rows: slice, k: int) -> torch.Tensor:
     """``shared_prompt_log_probs`` of the prompts ``rows``: a forward pass over them, then one over their replies."""
-    head, cache_keyword = model.get_output_embeddings(), _cache_keyword(model)
+    head, keyword = model.get_output_embeddings(), cache_keyword(model)
     prompt_ids, prompt_mask = _unpadded(batch["prompt_ids"][rows], batch["prompt_mask"][rows])
     reply_rows = slice(rows.start * k, rows.stop * k)
     reply_ids, reply_mask = _unpadded(batch["reply_ids"][reply_rows], batch["reply_mask"][reply_rows])
@@ -289,12 +293,12 @@ def _shared_prompt_pass(model, batch: dict, rows: slice, k: int) -> torch.Tensor
     with _output_layer_input(head) as seen:
         outputs = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True)
     last = seen["hidden"][torch.arange(len(lengths), device=lengths.device), lengths - 1].repeat_interleave(k, 0)
-    cache = getattr(outputs, cache_keyword)
+    cache = getattr(outputs, keyword)
     cache.batch_repeat_interleave(k)
     positions = lengths.repeat_interleave(k)[:, None] + torch.arange(reply_ids.shape[1], device=lengths.device)
     with _output_layer_input(head) as seen:
         model(input_ids=reply_ids, attention_mask=torch.cat([prompt_mask.repeat_interleave(k, 0), reply_mask], 1),
-              position_ids=positions, use_cache=True, **{cache_keyword: cache})
+              position_ids=positions, use_cache=True, **{keyword: cache})
     labelled = reply_mask.bool()
     hidden = torch.cat([last[:, None], seen["hidden"][:, :-1]], 1)[labelled]
     log_probs = _head_log_probs(model, seen, hidden, reply_ids[labelled])
@@ -307,7 +311,7 @@ def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torc
     return ids[:, :width], mask[:, :width]
 
 
-def _cache_keyword(model) -> str:
+def cache_keyword(model) -> str:
     """The name of the KV cache in the model's forward and its output: ``cache`` from transformers 5.24 on (where
     ``past_key_values`` still works, with a warning), ``past_key_values`` before."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

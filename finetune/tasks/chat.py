@@ -27,7 +27,7 @@ from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.errors import UserError
 
 __all__ = ["IGNORE", "ROLES", "TEMPLATE_ERRORS", "check_conversation", "conversation_layout", "end_of_turn_ids",
-           "preview_rows", "read_conversations", "read_tools", "render_last_reply", "render_rows",
+           "preview_rows", "read_conversations", "read_tools", "render_last_reply", "render_prompts", "render_rows",
            "require_chat_template", "rows_tools", "split_conversations", "tokenize_conversations", "without_nulls",
            "write_generations"]
 
@@ -275,6 +275,17 @@ def render_last_reply(conversations: list[list[dict]], tokenizer, where: list[st
     for before, through, messages, place in zip(befores, throughs, conversations, where, strict=True):
         _check_continues(before, through, place, len(messages) - 1)
     return [(before, through[len(before):]) for before, through in zip(befores, throughs, strict=True)]
+
+
+def render_prompts(prompts: list[list[dict]], tokenizer, where: list[str], tools: list[str | None] | None = None,
+                   options: dict | None = None) -> list[str]:
+    """Each prompt (the messages before a reply) rendered with the generation prompt: what a model reads before it
+    replies.
+
+    Raises:
+        UserError: the template refuses a prompt, naming its row (``where``).
+    """
+    return _render(prompts, tools or [None] * len(prompts), tokenizer, where, options, add_generation_prompt=True)
 
 
 def _check_continues(before: str, through: str, where: str, turn: int) -> None:

@@ -335,18 +335,20 @@ class Reference:
     def pair_log_probs(self, policy, batch: dict) -> torch.Tensor:
         """``[pairs, 2]`` summed reply log-probabilities of a ``PairCollator`` batch (as ``pair_log_probs``);
         ``policy`` may be wrapped (DDP)."""
-        with torch.no_grad(), self._model(policy, batch["input_ids"].device) as model:
+        with torch.no_grad(), self.model(policy, batch["input_ids"].device) as model:
             return pair_log_probs(model, dict(batch))[0]
 
     def shared_prompt_log_probs(self, policy, batch: dict, max_tokens: int) -> torch.Tensor:
         """``[pairs, 2]`` as ``pair_log_probs``, of a ``PromptRepliesCollator`` batch, each prompt run once for both
         replies in passes of at most ``max_tokens`` tokens (``finetune.tasks.causal_lm.shared_prompt_log_probs``);
         ``policy`` may be wrapped (DDP)."""
-        with torch.no_grad(), self._model(policy, batch["prompt_ids"].device) as model:
+        with torch.no_grad(), self.model(policy, batch["prompt_ids"].device) as model:
             return shared_prompt_log_probs(model, batch, max_tokens)
 
     @contextlib.contextmanager
-    def _model(self, policy, device: torch.device) -> Iterator[torch.nn.Module]:
+    def model(self, policy, device: torch.device) -> Iterator[torch.nn.Module]:
+        """The reference, in eval mode, while the block runs: ``policy`` (may be wrapped) with its adapters off, or
+        the frozen copy on ``device``."""
         if self.frozen is not None:
             yield self.frozen.to(device)
             return

@@ -15,8 +15,8 @@ from datasets import Dataset, DatasetDict
 from finetune.data.embedded import EmbeddedDataset
 from finetune.data.embedded.support_tickets import LABEL_NAMES, make_support_tickets
 
-__all__ = ["SUPPORT_CHATS", "SYSTEM_PROMPT", "make_support_conversations", "routed_team", "routing_accuracy",
-           "routing_metrics"]
+__all__ = ["SUPPORT_CHATS", "SUPPORT_PROMPTS", "SYSTEM_PROMPT", "make_support_conversations", "make_support_prompts",
+           "routed_team", "routing_accuracy", "routing_metrics", "routing_reward"]
 
 SYSTEM_PROMPT = "Route the ticket: name the team, then reply."
 NUM_TRAIN, NUM_EVAL = 160, 48
@@ -55,6 +55,25 @@ def make_support_conversations() -> DatasetDict:
     return DatasetDict(train=conversations("train", NUM_TRAIN), validation=conversations("validation", NUM_EVAL))
 
 
+def make_support_prompts() -> DatasetDict:
+    """The conversations' prompts without their replies (``prompt``: system and user messages) and the ticket's
+    ``team``, for reinforcement learning; no validation prompt is a training prompt."""
+    conversations = make_support_conversations()
+    prompts = {split: {"prompt": [m[:-1] for m in rows["messages"]], "team": rows["team"]}
+               for split, rows in conversations.items()}
+    seen = {str(prompt) for prompt in prompts["train"]["prompt"]}
+    unseen = [k for k, prompt in enumerate(prompts["validation"]["prompt"]) if str(prompt) not in seen]
+    validation = {column: [values[k] for k in unseen] for column, values in prompts["validation"].items()}
+    return DatasetDict(train=Dataset.from_dict(prompts["train"]), validation=Dataset.from_dict(validation))
+
+
+def routing_reward(prompts, completions, team, **columns) -> list[float]:
+    """A reward function (TRL's signature) for the support prompts: 1 where a reply's first line names the ticket's
+    team and no other, else 0."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(routed_team(text) == answer) for text, answer in zip(texts, team, strict=True)]
+
+
 def routed_team(reply: str) -> str | None:
     """The team a reply's first line names, if it names exactly one."""
     first_line = reply.strip().split("\n", 1)[0].lower()
@@ -73,3 +92,5 @@ def routing_metrics(replies: list[str], teams: list[str]) -> dict[str, float]:
 
 SUPPORT_CHATS = EmbeddedDataset("support conversations (embedded default)", make_support_conversations,
                                 answer_column="team", score_replies=routing_metrics)
+SUPPORT_PROMPTS = EmbeddedDataset("support ticket prompts (embedded default)", make_support_prompts,
+                                  answer_column="team", score_replies=routing_metrics)

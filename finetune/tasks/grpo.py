@@ -1,0 +1,528 @@
+"""GRPO's arithmetic: a group's advantages from its completions' rewards, and the clipped policy loss of each
+loss type as a sum over loss units, so that the shared loop's normalisation (``world_size / units in the global
+batch``) makes it exact at any world size and accumulation.
+
+A rollout is G completions per prompt (a *group*), scored by reward functions; every completion's advantage is its
+reward against its group's. The loss types differ only in what a loss unit is:
+
+- ``dapo``: a completion token. The loss is the mean per-token loss over every completion token of the global batch.
+- ``grpo``: a completion. Each completion's per-token losses are averaged first, then the completions are.
+- ``dr_grpo``: ``max_completion_length`` tokens per completion (Dr. GRPO's constant normaliser), so neither a
+  completion's length nor the batch's shifts a token's weight.
+
+TRL's trainer divides each micro-batch's loss by its own normaliser, which makes ``grpo`` and ``dr_grpo`` depend on
+how completions fall into micro-batches and ``dapo`` on a per-process token count; here every unit weighs the same
+in the global batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+import torch
+
+from finetune.data.batching import LENGTH, LOSS_UNITS, GlobalBatchSampler, PlannedBatch
+from finetune.data.cache import TOKEN_IDS, Tokenizing
+from finetune.distributed.ddp import all_reduce_max, all_reduce_sum
+from finetune.distributed.fsdp import is_sharded
+from finetune.errors import UserError
+from finetune.tasks.causal_lm import cache_keyword, label_log_probs
+from finetune.tasks.chat import IGNORE, check_conversation, render_prompts, rows_tools, without_nulls
+from finetune.tasks.rewards import RewardFailures, RewardPool, RewardScores
+
+__all__ = ["LOSS_TYPES", "SCALE_REWARDS", "Advantages", "RolloutSampler", "Rollouts", "check_grpo_options",
+           "completion_loss_units", "group_advantages", "policy_loss", "reward_names", "sample_completions",
+           "score_replies", "tokenize_prompts"]
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+STD_EPSILON = 1e-4
+"""Added to the standard deviation a group's advantages are divided by, as TRL does, so a group whose rewards
+barely differ does not get huge advantages."""
+
+
+def check_grpo_options(*, num_generations: int, completions_per_step: int, loss_type: str, scale_rewards: str,
+                       epsilon: float, epsilon_high: float | None, beta: float, num_iterations: int) -> None:
+    """Raises ``UserError`` for GRPO options that cannot work together (named as flags).
+
+    ``completions_per_step``: the completions of one optimizer step over every process (per-device batch x world
+    size x accumulation), which must hold whole groups.
+    """
+    if num_generations < 2:
+        raise UserError(f"--num_generations is {num_generations}; a group needs at least 2 completions to compare "
+                        "(GRPO's advantage is a completion's reward against its group's)")
+    if completions_per_step % num_generations:
+        raise UserError(f"a step's {completions_per_step} completions (--per_device_train_batch_size x processes x "
+                        f"--gradient_accumulation_steps) do not hold whole groups of --num_generations "
+                        f"{num_generations}; make the product a multiple of {num_generations}")
+    if loss_type not in LOSS_TYPES:
+        raise UserError(f"--loss_type {loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
+    if scale_rewards not in SCALE_REWARDS:
+        raise UserError(f"--scale_rewards {scale_rewards!r} is unknown; use one of {', '.join(SCALE_REWARDS)}")
+    if not 0 < epsilon < 1:
+        raise UserError(f"--epsilon is {epsilon}; the clipping range [1 - epsilon, 1 + epsilon] needs 0 < epsilon < 1")
+    if epsilon_high is not None and not epsilon <= epsilon_high < math.inf:
+        raise UserError(f"--epsilon_high {epsilon_high} is below --epsilon {epsilon}; the upper clip is at least the "
+                        "lower one (DAPO's clip-higher), or leave it unset to use --epsilon")
+    if not 0 <= beta < math.inf:
+        raise UserError(f"--beta is {beta}; give 0 (no KL term) or a positive weight")
+    if num_iterations < 1:
+        raise UserError(f"--num_iterations is {num_iterations}; each rollout trains at least once")
+
+
+@dataclass
+class Advantages:
+    """``group_advantages``' result, each ``[completions]`` in the rollout's order unless said."""
+
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    """The weighted sum over reward functions; NaN where no function scored the completion."""
+    zero_std: torch.Tensor
+    """``[groups]``: groups whose rewards are all equal, which give no gradient."""
+
+
+def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, num_generations: int, scale: str) -> Advantages:
+    """Advantages of a rollout's completions from ``rewards`` ``[completions, functions]``, each group's
+    ``num_generations`` completions consecutive; NaN marks a function that did not score a completion (it returned
+    None, or failed).
+
+    A completion's reward is the weighted sum of the functions that scored it; its advantage is that less its
+    group's mean, divided by the standard deviation of its group's rewards (``scale="group"``), of the whole
+    rollout's (``"batch"``), or not at all (``"none"``). A completion no function scored has advantage 0 and counts
+    in no mean. Give every completion of the global batch, whichever process generated it: a group's completions
+    may sit on different processes.
+    """
+    scored = ~rewards.isnan()
+    total = (rewards.nan_to_num() * weights).sum(1).masked_fill(~scored.any(1), math.nan)
+    grouped = total.view(-1, num_generations)
+    group_mean = grouped.nanmean(1, keepdim=True)
+    group_std = _nanstd(grouped, dim=1)
+    advantages = (grouped - group_mean).flatten()
+    if scale != "none":
+        std = group_std.repeat_interleave(num_generations) if scale == "group" else _nanstd(total, dim=0)
+        advantages = advantages / (std + STD_EPSILON)
+    zero_std = torch.isclose(group_std, torch.zeros_like(group_std)) | group_std.isnan()
+    return Advantages(advantages.nan_to_num(0.0), total, zero_std)
+
+
+def _nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sample standard deviation (Bessel-corrected, as TRL's) along ``dim`` of the non-NaN values; NaN where
+    fewer than two."""
+    count = (~values.isnan()).sum(dim)
+    mean = values.nanmean(dim, keepdim=True)
+    variance = ((values - mean) ** 2).nansum(dim) / (count - 1).clamp(min=1)
+    return variance.sqrt().masked_fill(count < 2, math.nan)
+
+
+def completion_loss_units(completion_mask: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
+    """``[completions]``: what each completion adds to the global batch's loss units (``completion_mask``
+    ``[completions, length]`` marks the tokens that train)."""
+    if loss_type == "dapo":
+        return completion_mask.sum(1)
+    per_completion = 1 if loss_type == "grpo" else max_completion_length
+    return torch.full((len(completion_mask),), per_completion, device=completion_mask.device)
+
+
+def policy_loss(log_probs: torch.Tensor, advantages: torch.Tensor, completion_mask: torch.Tensor, *, loss_type: str,
+                epsilon: float, epsilon_high: float | None = None, old_log_probs: torch.Tensor | None = None,
+                ref_log_probs: torch.Tensor | None = None, beta: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """The clipped surrogate loss of a batch of completions, summed over its completions in ``loss_type``'s units
+    (divide by ``completion_loss_units`` summed over the global batch for the mean), and figures summed over its
+    completion tokens: ``{"tokens", "clipped_low", "clipped_high", "kl"}`` (``kl`` only with ``beta``).
+
+    ``log_probs``, ``old_log_probs`` (those the completions were sampled with; default: ``log_probs`` detached, the
+    first pass over a rollout) and ``ref_log_probs`` are ``[completions, length]`` per token; ``advantages``
+    ``[completions]``. The importance ratio is clipped to ``[1 - epsilon, 1 + epsilon_high]``; with ``beta`` > 0 a
+    k3 estimate of the KL divergence from the reference is added per token.
+    """
+    mask = completion_mask.to(log_probs.dtype)
+    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    ratio = torch.exp(log_probs - old)
+    high = epsilon if epsilon_high is None else epsilon_high
+    advantage = advantages[:, None]
+    per_token = -torch.min(ratio * advantage, ratio.clamp(1 - epsilon, 1 + high) * advantage)
+    figures = {"tokens": mask.sum(),
+               "clipped_low": (((ratio < 1 - epsilon) & (advantage < 0)) * mask).sum(),
+               "clipped_high": (((ratio > 1 + high) & (advantage > 0)) * mask).sum()}
+    if beta:
+        to_reference = ref_log_probs - log_probs
+        kl = torch.exp(to_reference) - to_reference - 1
+        per_token = per_token + beta * kl
+        figures["kl"] = (kl.detach() * mask).sum()
+    per_completion = (per_token * mask).sum(1)
+    if loss_type == "grpo":
+        per_completion = per_completion / mask.sum(1).clamp(min=1)
+    return per_completion.sum(), figures
+
+
+# -- prompts, the plan of rollouts, and sampling
+
+
+def tokenize_prompts(split: datasets.Dataset, tokenizer, max_length: int, name: str, tokenizing: Tokenizing,
+                     template_options: dict | None = None) -> datasets.Dataset:
+    """A ``prompt`` column (text, or a list of messages before the reply, TRL's format) rendered with the generation
+    prompt into ``prompt_ids``; ``prompt_messages`` keeps each prompt as given (JSON) and ``columns`` the row's other
+    columns (JSON), both for the reward functions; ``index`` is the row; ``reference`` is empty (no reply to compare
+    with).
+
+    Raises:
+        UserError: no ``prompt`` column, a bad message, a template that refuses a prompt, or a prompt longer than
+            ``max_length`` tokens.
+    """
+    if "prompt" not in split.column_names:
+        raise UserError(f"{name} data has no 'prompt' column (columns: {', '.join(split.column_names)}); give each "
+                        "row's prompt as text or as a list of {role, content} messages, with the columns the reward "
+                        "functions read beside it")
+    others = [column for column in split.column_names if column not in ("prompt", "tools")]
+
+    def encode(batch, rows):
+        where = [f"{name} row {row + 1}" for row in rows]
+        prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else [without_nulls(m) for m in p]
+                   for p in batch["prompt"]]
+        for messages, place in zip(prompts, where, strict=True):
+            check_conversation(messages + [{"role": "assistant", "content": ""}], place)
+        texts = render_prompts(prompts, tokenizer, where, rows_tools(batch, rows, name), template_options)
+        ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        for prompt_ids, place in zip(ids, where, strict=True):
+            if len(prompt_ids) > max_length:
+                raise UserError(f"{place}: the prompt is {len(prompt_ids)} tokens, over --max_seq_length {max_length}; "
+                                "raise --max_seq_length or shorten the prompt")
+        columns = [json.dumps({column: batch[column][i] for column in others}) for i in range(len(rows))]
+        return {"prompt_ids": ids, "prompt_messages": [json.dumps(p) for p in batch["prompt"]], "columns": columns,
+                "reference": [""] * len(rows), "index": rows, LENGTH: [len(i) for i in ids],
+                LOSS_UNITS: [1] * len(rows)}
+
+    features = {"prompt_ids": TOKEN_IDS, "prompt_messages": datasets.Value("string"),
+                "columns": datasets.Value("string"), "reference": datasets.Value("string"),
+                "index": datasets.Value("int32")}
+    return tokenizing.map(split, encode, name, features)
+
+
+def reward_names(specs: list[str]) -> list[str]:
+    """How the logs name each reward function: its name (TRL's ``rewards/NAME/mean``), or its whole spec where two
+    functions share a name."""
+    names = [spec.rsplit(":", 1)[-1] for spec in specs]
+    return [name if names.count(name) == 1 else spec for name, spec in zip(names, specs, strict=True)]
+
+
+def score_replies(pool: RewardPool, rows: datasets.Dataset, texts: list[str]) -> RewardScores:
+    """The reward functions' scores of the replies ``texts`` to the prompts ``rows`` (of ``tokenize_prompts``), each
+    function given what TRL gives it: the prompts as the data has them, the completions (a conversation's as a list
+    holding the assistant's message) and the rows' other columns."""
+    prompts = [json.loads(p) for p in rows["prompt_messages"]]
+    replies = [text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+               for prompt, text in zip(prompts, texts, strict=True)]
+    columns = [json.loads(c) for c in rows["columns"]]
+    return pool.score(prompts, replies, {key: [c[key] for c in columns] for key in (columns[0] if columns else ())})
+
+
+class RolloutSampler(GlobalBatchSampler):
+    """The plan of an epoch of rollouts: its prompts shuffled by ``seed + epoch``, cut into windows of one
+    optimizer step's completions (per-device batch x processes x accumulation, counted in completions), each prompt
+    repeated ``num_generations`` times in a row, so a group's completions are consecutive in the global order
+    (dealt round-robin to the processes, a group may span them). A window is trained ``num_iterations`` times
+    over, its micro-batches planned again for each; the prompts left over at an epoch's end wait for the next.
+
+    Loss units and scales are the rollout's to set (``Rollouts``): they are known only once the completions are.
+    """
+
+    def __init__(self, prompt_lengths, per_device_batch_size: int, num_replicas: int, *, seed: int,
+                 accumulation_steps: int, num_generations: int, num_iterations: int = 1, rank: int | None = None):
+        super().__init__(prompt_lengths, per_device_batch_size, num_replicas, seed=seed, group_by_length=False,
+                         accumulation_steps=accumulation_steps, rank=rank)
+        self.num_generations, self.num_iterations = num_generations, num_iterations
+        self.prompts_per_window = self.global_batch_size * accumulation_steps // num_generations
+
+    def for_rank(self, rank: int) -> RolloutSampler:
+        return RolloutSampler(self.lengths, self.per_device_batch_size, self.num_replicas, seed=self.seed,
+                              accumulation_steps=self.accumulation_steps, num_generations=self.num_generations,
+                              num_iterations=self.num_iterations, rank=rank)
+
+    @property
+    def windows(self) -> int:
+        return len(self.lengths) // self.prompts_per_window
+
+    @property
+    def batches_per_rank(self) -> int:
+        return self.windows * self.accumulation_steps * self.num_iterations
+
+    def _micro_batches(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        prompts = torch.randperm(len(self.lengths), generator=generator).numpy()
+        windows = prompts[:self.windows * self.prompts_per_window].reshape(self.windows, 1, -1)
+        order = np.repeat(np.repeat(windows, self.num_iterations, axis=1).reshape(-1), self.num_generations)
+        starts = np.arange(0, len(order), self.global_batch_size)
+        return order, starts, np.arange(len(starts)) // (self.accumulation_steps * self.num_iterations)
+
+
+def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds: list[int], *, max_new_tokens: int,
+                       temperature: float, top_p: float, pad_token_id: int) -> list[list[int]]:
+    """``counts[i]`` sampled completions of each prompt (token ids), in order: each completion through its first
+    end-of-turn token (the model's ``generation_config.eos_token_id``), or ``max_new_tokens`` long.
+
+    Each completion draws from a generator of its own, seeded with its entry of ``seeds``: a completion depends on
+    its seed and prompt, not on which others share its batch or process, so a run samples the same completions on
+    any number of processes, and a resumed run what the uninterrupted one did. Each prompt's KV cache is computed
+    once and copied to its completions. ``model`` is unwrapped; it samples in eval mode (no dropout).
+    """
+    device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_token_id] * (longest - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+    rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(counts, device=device))
+    generators = [torch.Generator(device).manual_seed(seed) for seed in seeds]
+    stops = torch.tensor(model.generation_config.eos_token_id, device=device).view(-1)
+    sharded = is_sharded(model)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            # The prompts but their last token, once each; the last token is the first input of the loop.
+            keyword = cache_keyword(model)
+            cache = getattr(model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True,
+                                  position_ids=(mask[:, :-1].cumsum(1) - 1).clamp(min=0)), keyword)
+            cache.reorder_cache(rows)
+            tokens, attention = ids[rows, -1:], mask[rows]
+            positions = attention.sum(1, keepdim=True) - 1
+            done = torch.zeros(len(rows), dtype=torch.bool, device=device)
+            generated = []
+            for _ in range(max_new_tokens):
+                logits = model(input_ids=tokens, attention_mask=attention, position_ids=positions, use_cache=True,
+                               **{keyword: cache}).logits[:, -1].float()
+                probs = _nucleus(torch.softmax(logits / temperature, -1), top_p)
+                tokens = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators,
+                                                                                         strict=True)])
+                tokens = tokens.masked_fill(done, pad_token_id)[:, None]
+                generated.append(tokens)
+                done |= torch.isin(tokens[:, 0], stops)
+                # A sharded model's every forward gathers weights from all processes: they stop together.
+                if int(all_reduce_max((~done).any().int()) if sharded else (~done).any()) == 0:
+                    break
+                attention = torch.cat([attention, torch.ones_like(tokens)], 1)
+                positions = positions + 1
+    finally:
+        model.train(training)
+    generated = torch.cat(generated, 1)
+    ended = torch.isin(generated, stops)
+    lengths = torch.where(ended.any(1), ended.int().argmax(1) + 1, generated.shape[1])
+    return [row[:length].tolist() for row, length in zip(generated, lengths.tolist(), strict=True)]
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` with each row cut to its smallest set of tokens whose probability reaches ``top_p`` (at least the
+    likeliest), renormalised by the sampling."""
+    if top_p >= 1:
+        return probs
+    ordered, order = probs.sort(-1, descending=True)
+    outside = ordered.cumsum(-1) - ordered >= top_p  # the tokens after the set reaches top_p
+    return probs.scatter(-1, order, ordered.masked_fill(outside, 0.0))
+
+
+# -- rollouts: a window's prompts to the micro-batches that train on their completions
+
+
+class Rollouts:
+    """Turns a window's prompts into training micro-batches (``Task.rollout``): every process samples its
+    completions, scores them with the reward functions, and shares the scores, so that each group's advantages come
+    from all its completions wherever they were sampled; the loss units (``completion_loss_units``) are counted over
+    the whole window, which makes the loss each micro-batch adds exact at any world size and accumulation.
+
+    ``args`` holds the GRPO options (``num_generations``, ``max_completion_length``, ``temperature``, ``top_p``,
+    ``loss_type``, ``scale_rewards``, ``mask_truncated_completions``, ``num_iterations``, ``beta``,
+    ``max_reward_failures``); ``prompts`` is the training split of ``tokenize_prompts``; ``pool`` a
+    ``finetune.tasks.rewards.RewardPool``; ``stop_ids`` end a completion; ``reference`` (with ``beta``) a
+    ``finetune.tasks.preference.Reference``.
+    """
+
+    def __init__(self, args, prompts: datasets.Dataset, tokenizer, pool: RewardPool, weights: list[float],
+                 stop_ids: list[int], *, world_size: int, rank: int, per_device_batch_size: int,
+                 accumulation_steps: int, seed: int, reference=None):
+        self.args, self.prompts, self.tokenizer, self.pool, self.reference = args, prompts, tokenizer, pool, reference
+        self.weights, self.stop_ids = torch.tensor(weights, dtype=torch.float64), set(stop_ids)
+        self.world_size, self.rank, self.seed = world_size, rank, seed
+        self.per_device_batch_size, self.accumulation_steps = per_device_batch_size, accumulation_steps
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.failures = RewardFailures(pool.names)
+        self.names = reward_names(pool.names)
+        self.failed_everywhere = torch.zeros(len(pool.names), dtype=torch.float64)
+        self.scored_everywhere = 0
+        self._rollout_figures: list[dict[str, float]] = []
+        self._loss_figures = torch.zeros(4, dtype=torch.float64)
+
+    def __call__(self, model, window: list[tuple[dict, PlannedBatch]], epoch: int) -> list[tuple[dict, PlannedBatch]]:
+        """The window's micro-batches, for each of its ``num_iterations`` passes (or those a resumed run has left),
+        made from one rollout."""
+        one_pass = window[:self.accumulation_steps]
+        rows = [row for batch, _ in one_pass for row in batch["index"].tolist()]
+        started = time.perf_counter()
+        completions = self._sample(model, rows, epoch, one_pass[0][1].window)
+        sampled = time.perf_counter()
+        rewards, failed = self._score(rows, completions)
+        scored = time.perf_counter()
+        device = next(model.parameters()).device
+        shared = self._shared(rewards, failed, completions, device)
+        advantages = group_advantages(shared["rewards"], self.weights, self.args.num_generations,
+                                      self.args.scale_rewards)
+        micro_batches = self._micro_batches(model, rows, completions, shared, advantages.advantages, device,
+                                            [planned for _, planned in one_pass])
+        self._note_rollout(shared, advantages, sampled - started, scored - sampled)
+        passes = len(window) // self.accumulation_steps
+        return [(dict(batch), planned) for _ in range(passes) for batch, planned in micro_batches]
+
+    def _sample(self, model, rows: list[int], epoch: int, window: int) -> list[list[int]]:
+        runs = [(row, len(list(group))) for row, group in itertools.groupby(rows)]
+        prompt_ids = self.prompts.select([row for row, _ in runs])["prompt_ids"]
+        # A completion's seed is the run's, the epoch's, the window's and its place in the window's global order.
+        seeds = np.random.SeedSequence([self.seed, epoch, window]).generate_state(len(rows) * self.world_size)
+        mine = seeds[self._positions()].tolist()
+        return sample_completions(model, prompt_ids, [count for _, count in runs], mine,
+                                  max_new_tokens=self.args.max_completion_length, temperature=self.args.temperature,
+                                  top_p=self.args.top_p, pad_token_id=self.pad)
+
+    def _positions(self) -> list[int]:
+        """Where this process's completions sit in the window's global order: micro-batch after micro-batch, each
+        one's dealt round-robin to the processes."""
+        world, batch = self.world_size, self.per_device_batch_size
+        return [m * world * batch + self.rank + j * world for m in range(self.accumulation_steps) for j in range(batch)]
+
+    def _score(self, rows: list[int], completions: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """``(rewards, failed)``, each ``[completions, functions]``: NaN where a function did not score a completion,
+        1 where it failed."""
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        scores = score_replies(self.pool, self.prompts.select(rows), texts)
+        self.failures.add(scores, rows=[row + 1 for row in rows])
+        failed = np.zeros(scores.values.shape)
+        for failure in scores.failures:
+            failed[failure.row, self.pool.names.index(failure.name)] = 1
+        return scores.values, failed
+
+    def _shared(self, rewards: np.ndarray, failed: np.ndarray, completions: list[list[int]], device: torch.device
+                ) -> dict:
+        """Every process's completions' rewards, failures, lengths, truncation and loss units, in the window's
+        global order (micro-batch after micro-batch, each one's completions dealt round-robin to the processes);
+        a function that failed too often stops the run here, on every process at once."""
+        lengths = [len(c) for c in completions]
+        truncated = [not c or c[-1] not in self.stop_ids for c in completions]
+        width = self.args.max_completion_length
+        mask = torch.tensor([[1] * length + [0] * (width - length) for length in lengths])
+        if self.args.mask_truncated_completions:
+            mask[torch.tensor(truncated)] = 0
+        units = completion_loss_units(mask, self.args.loss_type, width)
+        local = np.column_stack([rewards, failed, lengths, truncated, units.numpy()]).astype(np.float64)
+        positions = self._positions()
+        table = torch.zeros(len(positions) * self.world_size, local.shape[1], dtype=torch.float64)
+        table[positions] = torch.from_numpy(local)
+        table = all_reduce_sum(table.to(device)).cpu()  # each row is one process's; the others add zeros
+        functions = rewards.shape[1]
+        shared = {"rewards": table[:, :functions], "lengths": table[:, -3], "truncated": table[:, -2],
+                  "units": table[:, -1], "positions": positions, "mask": mask}
+        self._check_failures(table[:, functions:2 * functions].sum(0), len(table))
+        return shared
+
+    def _check_failures(self, failed: torch.Tensor, scored: int) -> None:
+        """Stop past ``--max_reward_failures`` of a function's completions over every process; the process that saw
+        the failure names its row and exception."""
+        self.failed_everywhere += failed
+        self.scored_everywhere += scored
+        share = self.failed_everywhere / self.scored_everywhere
+        over = torch.nonzero(share > self.args.max_reward_failures).flatten().tolist()
+        if not over:
+            return
+        self.failures.check(0.0)  # this process's own failures, named
+        name = self.pool.names[over[0]]
+        raise UserError(f"reward function {name} failed on {int(self.failed_everywhere[over[0]])} of "
+                        f"{self.scored_everywhere} completions over all processes, more than --max_reward_failures "
+                        f"{self.args.max_reward_failures:g}; the error line of the process that saw it names the row")
+
+    def _micro_batches(self, model, rows: list[int], completions: list[list[int]], shared: dict,
+                       advantages: torch.Tensor, device: torch.device, planned: list[PlannedBatch]
+                       ) -> list[tuple[dict, PlannedBatch]]:
+        """Each micro-batch's rows (prompt, then completion; only the completion's tokens labelled), advantages and
+        loss scale, with the log-probabilities a later pass over the rollout and the KL term need."""
+        units_everywhere = float(shared["units"].sum())
+        scale = self.world_size / units_everywhere if units_everywhere else 0.0
+        prompt_ids = dict(zip(rows, self.prompts.select(rows)["prompt_ids"], strict=True))
+        made = []
+        for m, share in enumerate(planned):
+            mine = range(m * self.per_device_batch_size, (m + 1) * self.per_device_batch_size)
+            sequences = [prompt_ids[rows[i]] + completions[i] for i in mine]
+            longest = max(len(s) for s in sequences)
+            input_ids = torch.full((len(sequences), longest), self.pad)
+            labels = torch.full((len(sequences), longest), IGNORE)
+            attention_mask = torch.zeros((len(sequences), longest), dtype=torch.long)
+            for k, i in enumerate(mine):
+                prompt, completion, sequence = prompt_ids[rows[i]], completions[i], sequences[k]
+                input_ids[k, :len(sequence)] = torch.tensor(sequence)
+                attention_mask[k, :len(sequence)] = 1
+                if shared["mask"][i].any():
+                    labels[k, len(prompt):len(sequence)] = torch.tensor(completion)
+            batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
+                     "labels": labels.to(device), "advantages": advantages[[shared["positions"][i] for i in mine]]
+                     .to(device, torch.float32)}
+            self._add_log_probs(model, batch)
+            units = int(shared["units"][[shared["positions"][i] for i in mine]].sum())
+            made.append((batch, PlannedBatch(list(share), len(sequences), units, scale, share.window,
+                                             real_tokens=int(attention_mask.sum()))))
+        return made
+
+    def _add_log_probs(self, model, batch: dict) -> None:
+        """The log-probabilities the completions were sampled with, for passes after the first (``num_iterations``),
+        and the reference's, for the KL term (``beta``)."""
+        if self.args.num_iterations > 1:
+            training = model.training
+            model.eval()
+            with torch.no_grad():
+                batch["old_log_probs"] = label_log_probs(model, dict(batch), temperature=self.args.temperature)[0]
+            model.train(training)
+        if self.args.beta:
+            with torch.no_grad(), self.reference.model(model, batch["input_ids"].device) as reference:
+                batch["ref_log_probs"] = label_log_probs(reference, dict(batch), temperature=self.args.temperature)[0]
+
+    def loss(self, model, batch: dict) -> torch.Tensor:
+        """A rollout micro-batch's policy loss, summed over its loss units; notes its clipping and KL figures."""
+        advantages, old, reference = batch.pop("advantages"), batch.pop("old_log_probs", None), batch.pop(
+            "ref_log_probs", None)
+        log_probs, labels = label_log_probs(model, batch, temperature=self.args.temperature)
+        loss, figures = policy_loss(log_probs, advantages, labels != IGNORE, loss_type=self.args.loss_type,
+                                    epsilon=self.args.epsilon, epsilon_high=self.args.epsilon_high,
+                                    old_log_probs=old, ref_log_probs=reference, beta=self.args.beta)
+        self._loss_figures += torch.stack([figures["clipped_low"], figures["clipped_high"],
+                                           figures.get("kl", torch.zeros(())), figures["tokens"]]).double().cpu()
+        return loss
+
+    def _note_rollout(self, shared: dict, advantages: Advantages, generation_seconds: float,
+                      reward_seconds: float) -> None:
+        rewards, lengths = shared["rewards"], shared["lengths"]
+        figures = {"reward": float(advantages.rewards.nanmean()), "reward_std": float(_nanstd(advantages.rewards, 0)),
+                   "frac_reward_zero_std": float(advantages.zero_std.double().mean()),
+                   "completions/mean_length": float(lengths.mean()), "completions/max_length": float(lengths.max()),
+                   "completions/truncated_share": float(shared["truncated"].mean()),
+                   "generation_seconds": generation_seconds, "reward_seconds": reward_seconds}
+        for k, name in enumerate(self.names):
+            figures[f"rewards/{name}/mean"] = float(rewards[:, k].nanmean())
+            figures[f"rewards/{name}/std"] = float(_nanstd(rewards[:, k], 0))
+        self._rollout_figures.append(figures)
+
+    def interval_logs(self) -> dict[str, float]:
+        """The rollouts' figures since the last call, averaged (``completions/max_length``: the longest), the share
+        of completion tokens whose ratio was clipped, the KL term with ``beta``, and each function's failures so
+        far. Every process must call it (the clipping is summed over them)."""
+        logs = {}
+        for name in self._rollout_figures[0] if self._rollout_figures else ():
+            values = [f[name] for f in self._rollout_figures]
+            logs[name] = max(values) if name.endswith("max_length") else sum(values) / len(values)
+        low, high, kl, tokens = all_reduce_sum(self._loss_figures).tolist()
+        tokens = max(tokens, 1.0)
+        logs.update({"clip_ratio/low": low / tokens, "clip_ratio/high": high / tokens,
+                     "clip_ratio/region": (low + high) / tokens})
+        if self.args.beta:
+            logs["kl"] = kl / tokens
+        logs.update({f"reward_failures/{name}": float(self.failed_everywhere[k]) for k, name in enumerate(self.names)})
+        self._rollout_figures, self._loss_figures = [], torch.zeros(4, dtype=torch.float64)
+        return logs

@@ -1,0 +1,180 @@
+"""Reinforcement learning with rewards a program checks (GRPO with LoRA), on one process or many.
+
+With no flags it trains SmolLM2-135M-Instruct (the chat recipe's converted folder) on the embedded support-ticket
+prompts, offline: each prompt's completions score 1 where the reply's first line names the team that owns the ticket
+and no other, else 0; no reference reply is trained on. It saves the LoRA adapter with the tokenizer to outputs/grpo.
+
+    accelerate launch recipes/grpo.py                                                  # 1 process
+    torchrun --nproc_per_node=2 recipes/grpo.py --model_name_or_path outputs/sft        # after the chat recipe
+
+Data: jsonl, json or parquet with a `prompt` column (text, or a list of {role, content} messages) and the columns the
+reward functions read, or `--dataset_name`. Reward functions have TRL's signature, `func(prompts, completions,
+**columns)` -> a list of floats or None, and run in worker processes: `--reward_funcs my_rewards.py:accuracy`.
+Flags follow TRL's GRPO script; `--config FILE.yaml` sets any of them.
+"""
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from finetune.config import arg
+from finetune.data.batching import TokenizedDataset
+from finetune.data.embedded.support_chats import SUPPORT_PROMPTS
+from finetune.data.sources import load_splits
+from finetune.environment import LaunchEnvironment
+from finetune.errors import UserError, run_main
+from finetune.models.loading import default_chat_model_path
+from finetune.recipe import run_recipe
+from finetune.task import TaskSetup
+from finetune.tasks import causal_lm, grpo
+from finetune.tasks.preference import Reference, load_causal_lm
+from finetune.tasks.rewards import RewardPool, check_reward_signature, load_reward_funcs
+
+DEFAULTS = {"output_dir": "outputs/grpo", "num_train_epochs": 1, "learning_rate": 1e-3,
+            "per_device_train_batch_size": 16, "max_seq_length": 1024, "logging_steps": 1, "max_completion_length": 32}
+"""This recipe's defaults: LoRA, a step of 16 completions (two prompts' groups of 8), completions as long as a
+routing reply needs."""
+DEFAULT_REWARD = "finetune.data.embedded.support_chats:routing_reward"
+
+
+@dataclass
+class GRPOArguments(causal_lm.ChatModelArguments):
+    reward_funcs: list[str] = arg([], "Reward functions, each module:function (a module name or a .py file), with "
+                                      "TRL's signature; default: the embedded prompts' routing reward.")
+    reward_weights: list[float] = arg([], "A weight per reward function (default 1 each); a completion's reward is "
+                                          "the weighted sum of those that score it.")
+    reward_timeout: float = arg(60.0, "Seconds a reward function may take on a step's completions before the call "
+                                      "fails (its worker is replaced).")
+    max_reward_failures: float = arg(0.05, "The share of completions a reward function may fail on (raise, hang, "
+                                           "return a wrong or non-finite value) before the run stops; failed ones "
+                                           "are left out of their group's reward, never scored 0.")
+    num_generations: int = arg(8, "Completions sampled per prompt: a group, whose rewards set each other's "
+                                  "advantages.")
+    max_completion_length: int = arg(256, "Longest completion, in tokens.")
+    temperature: float = arg(1.0, "Sampling temperature (the log-probabilities trained are at it too).")
+    top_p: float = arg(1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches it.")
+    loss_type: str = arg("dapo", "dapo (the mean over every completion token of a step), grpo (each completion's "
+                                 "mean, then the completions'), dr_grpo (sums over max_completion_length).")
+    scale_rewards: str = arg("group", "Divide advantages by the group's reward std (group), the step's (batch), "
+                                      "or not at all (none).")
+    epsilon: float = arg(0.2, "Clip the importance ratio below at 1 - epsilon.")
+    epsilon_high: float | None = arg(None, "Clip it above at 1 + epsilon_high (DAPO's clip-higher); default epsilon.")
+    num_iterations: int = arg(1, "Optimizer steps on each rollout (the ratio is against the log-probabilities it "
+                                 "was sampled with).")
+    beta: float = arg(0.0, "Weight of the KL term against the reference (the model with its adapters off); 0: "
+                           "none, and no reference pass.")
+    mask_truncated_completions: bool = arg(False, "Leave completions cut at max_completion_length out of the loss.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        grpo.check_grpo_options(num_generations=self.num_generations, completions_per_step=self.num_generations,
+                                loss_type=self.loss_type, scale_rewards=self.scale_rewards, epsilon=self.epsilon,
+                                epsilon_high=self.epsilon_high, beta=self.beta, num_iterations=self.num_iterations)
+        if not self.temperature > 0 or not 0 < self.top_p <= 1:
+            raise UserError(f"--temperature {self.temperature} --top_p {self.top_p}: sample at a temperature above 0 "
+                            "with top_p in (0, 1]")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs or [DEFAULT_REWARD]):
+            raise UserError(f"{len(self.reward_weights)} --reward_weights for "
+                            f"{len(self.reward_funcs or [DEFAULT_REWARD])} --reward_funcs; give one weight each")
+        if not 0 <= self.max_reward_failures <= 1 or not self.reward_timeout > 0:
+            raise UserError(f"--max_reward_failures {self.max_reward_failures} --reward_timeout "
+                            f"{self.reward_timeout}: give a share from 0 to 1 and a positive number of seconds")
+        self.reward_funcs = [f.name for f in load_reward_funcs(self.reward_funcs or [DEFAULT_REWARD])]
+
+
+class GRPOTask(causal_lm.ChatTask):
+    name, what = "grpo", "reinforcement learning with verifiable rewards (GRPO)"
+    tokenizing_code = ("finetune.tasks.grpo", "finetune.tasks.chat", "finetune.data.sources",
+                       "finetune.data.embedded", "finetune.data.embedded.support_chats",
+                       "finetune.data.embedded.support_tickets")
+    pool = None
+
+    def load_data(self, cfg):
+        if (cfg.train_file or cfg.dataset_name) and self.args.reward_funcs == [DEFAULT_REWARD]:
+            raise UserError("your data needs reward functions of its own: give --reward_funcs module:function ... "
+                            "(TRL's signature, func(prompts, completions, **columns) -> list of floats)")
+        return load_splits(cfg, SUPPORT_PROMPTS)
+
+    def tokenize(self, raw, tokenizer, cfg, tokenizing):
+        for split in ("train", "validation"):
+            grpo.tokenize_prompts(raw[split], tokenizer, cfg.max_seq_length, split, tokenizing,
+                                  self.args.template_options)
+        return {"answers": SUPPORT_PROMPTS.answers(raw, cfg)}
+
+    def setup(self, cfg, tokenizer, data):
+        args, env = self.args, LaunchEnvironment.read()
+        grpo.check_grpo_options(
+            num_generations=args.num_generations, loss_type=args.loss_type, scale_rewards=args.scale_rewards,
+            completions_per_step=cfg.per_device_train_batch_size * env.world_size * cfg.gradient_accumulation_steps,
+            epsilon=args.epsilon, epsilon_high=args.epsilon_high, beta=args.beta, num_iterations=args.num_iterations)
+        first = data.train[0]
+        prompt = json.loads(first["prompt_messages"])
+        check_reward_signature(load_reward_funcs(args.reward_funcs), prompt,
+                               "" if isinstance(prompt, str) else [{"role": "assistant", "content": ""}],
+                               json.loads(first["columns"]))
+        self.pool = RewardPool(args.reward_funcs, timeout=args.reward_timeout)
+        model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
+                               trust_remote_code=cfg.trust_remote_code)
+        model, adapters = causal_lm.adapt_chat_model(model, args, tokenizer)
+        self.weights = np.array(args.reward_weights or [1.0] * len(args.reward_funcs))
+        self.rollouts = grpo.Rollouts(
+            args, data.train, tokenizer, self.pool, self.weights.tolist(),
+            model.generation_config.eos_token_id, world_size=env.world_size, rank=env.rank,
+            per_device_batch_size=cfg.per_device_train_batch_size, accumulation_steps=cfg.gradient_accumulation_steps,
+            seed=cfg.seed, reference=Reference(model) if args.beta else None)
+        args.max_new_tokens = args.max_completion_length
+        self.replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
+                                             SUPPORT_PROMPTS.score_replies, count=len(data.validation))
+        train_set = TokenizedDataset(data.train, ["index"])
+        sampler = grpo.RolloutSampler(train_set.lengths, cfg.per_device_train_batch_size, env.world_size,
+                                      seed=cfg.seed, accumulation_steps=cfg.gradient_accumulation_steps,
+                                      num_generations=args.num_generations, num_iterations=args.num_iterations)
+        if not sampler.windows:
+            raise UserError(f"{len(train_set)} training prompts are fewer than a step's {sampler.prompts_per_window}; "
+                            "lower --per_device_train_batch_size or --gradient_accumulation_steps, or add prompts")
+        summary = [f"{args.num_generations} completions a prompt, --loss_type {args.loss_type}, rewards: "
+                   + ", ".join(args.reward_funcs), adapters]
+        return TaskSetup(train_set, TokenizedDataset(data.validation, ["index"]), _indices, model, sampler=sampler,
+                         summary=", ".join(filter(None, summary)))
+
+    def rollout(self, model, window, epoch):
+        return self.rollouts(model, window, epoch)
+
+    def loss(self, model, batch):
+        return self.rollouts.loss(model, batch)
+
+    def interval_logs(self):
+        return self.rollouts.interval_logs()
+
+    def eval_outputs(self, model, batch):
+        return (self.replies.generate(model, batch["index"]),)
+
+    def metrics(self, outputs):  # over the prompts each function scored: a failure counts as no score, not 0
+        scores = grpo.score_replies(self.pool, self.replies.prompted, self.replies.texts(outputs[0])).values
+        totals = np.where(np.isnan(scores).all(1), np.nan, (np.nan_to_num(scores) * self.weights).sum(1))
+        figures = {"reward": totals, **{f"rewards/{name}/mean": scores[:, k]
+                                        for k, name in enumerate(grpo.reward_names(self.args.reward_funcs))}}
+        return {**{name: float(np.nanmean(v)) for name, v in figures.items() if not np.isnan(v).all()},
+                **self.replies.metrics(outputs[0])}
+
+    def write_predictions(self, outputs, output_dir):
+        self.replies.write(outputs[0], output_dir)
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _indices(rows: list[dict]) -> dict:
+    return {"index": torch.tensor([row["index"] for row in rows])}
+
+
+def main(argv=None):
+    run_recipe(GRPOTask, GRPOArguments, argv, description="Reinforcement learning with verifiable rewards (GRPO).",
+               defaults=DEFAULTS)
+
+
+if __name__ == "__main__":
+    run_main(main)
