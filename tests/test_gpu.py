@@ -224,3 +224,19 @@ def test_dpo_with_lora_in_bf16_starts_at_ln_2_and_trains(tmp_path):
     assert math.isfinite(second["loss"]) and math.isfinite(read_results(out)["eval_loss"])
     assert len((out / "eval_predictions.jsonl").read_text().splitlines()) == 32
     assert (out / "adapter_model.safetensors").is_file()
+
+
+def test_grpo_with_lora_in_bf16_samples_on_the_gpu_and_trains(tmp_path):
+    """The reinforcement-learning recipe on this GPU: completions sampled with a CUDA generator each, scored by the
+    routing reward in its worker process, two steps of finite losses, an evaluation of every validation prompt and
+    the adapter. The model is a stand-in with random weights: no reward is checked."""
+    out = tmp_path / "out"
+    result = run(accelerate_cmd("--max_train_steps", "2", "--output_dir", str(out), **ONE_GPU,
+                                script=recipe_path("grpo")), timeout=600)
+    assert "process(es) on cuda" in result.stdout
+    history = log_history(out)
+    assert [h["step"] for h in history] == [1, 2]
+    assert all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in history)
+    assert all(h["completions/mean_length"] > 0 and h["reward_failures/routing_reward"] == 0 for h in history)
+    assert len(read_jsonl(out / "eval_generations.jsonl")) == 47
+    assert (out / "adapter_model.safetensors").is_file()
