@@ -33,9 +33,11 @@ from finetune.tasks.preference import Reference, load_causal_lm
 from finetune.tasks.rewards import RewardPool, check_reward_signature, load_reward_funcs
 
 DEFAULTS = {"output_dir": "outputs/grpo", "num_train_epochs": 1, "learning_rate": 1e-3,
-            "per_device_train_batch_size": 16, "max_seq_length": 1024, "logging_steps": 1, "max_completion_length": 32}
-"""This recipe's defaults: LoRA, a step of 16 completions (two prompts' groups of 8), completions as long as a
-routing reply needs."""
+            "per_device_train_batch_size": 16, "max_seq_length": 1024, "logging_steps": 1, "num_generations": 4,
+            "max_completion_length": 16}
+"""This recipe's defaults: LoRA at a high learning rate, a step of 16 completions (four prompts' groups of 4), and
+completions as long as a reply's first line (all the routing reward reads) needs: one epoch of the embedded
+prompts is 40 steps."""
 DEFAULT_REWARD = "finetune.data.embedded.support_chats:routing_reward"
 
 

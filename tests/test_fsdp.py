@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import signal
 import sys
 
@@ -136,10 +137,13 @@ def test_accelerates_fsdp_config_on_a_machine_without_gpus_says_to_use_torchrun(
                   str(REPO / "accelerate_configs" / "fsdp.yaml"), "--num_processes", "2", "--main_process_port",
                   str(free_port()), str(REPO / "recipes" / "classify.py"), "--output_dir", str(out)],
                  check=False, timeout=120)
-    errors = sorted(line for line in result.stderr.splitlines() if " error: " in line)
-    assert result.returncode != 0 and len(errors) == 2, result.stderr[-3000:]
-    for rank, line in enumerate(errors):
-        assert line.startswith(f"[rank {rank}] error: Accelerate runs FSDP on GPUs only"), line
+    errors = [line for line in result.stderr.splitlines() if " error: " in line]
+    # Each process refuses on its own; the launcher stops the other once the first has exited, at times before
+    # that one has printed its line.
+    assert result.returncode != 0 and len(errors) in (1, 2), result.stderr[-3000:]
+    assert len({line.split("]")[0] for line in errors}) == len(errors), "one line a process"
+    for line in errors:
+        assert re.match(r"\[rank [01]\] error: Accelerate runs FSDP on GPUs only", line), line
         assert "torchrun --nproc_per_node=N RECIPE --fsdp" in line
     assert "[rank0]: Traceback" not in result.stderr and not out.exists(), "nothing trained, nothing written"
 
