@@ -13,7 +13,6 @@ reward functions read, or `--dataset_name`. Reward functions have TRL's signatur
 Flags follow TRL's GRPO script; `--config FILE.yaml` sets any of them.
 """
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +29,7 @@ from finetune.recipe import run_recipe
 from finetune.task import TaskSetup
 from finetune.tasks import causal_lm, grpo
 from finetune.tasks.preference import Reference, load_causal_lm
-from finetune.tasks.rewards import RewardPool, check_reward_signature, load_reward_funcs
+from finetune.tasks.rewards import RewardPool, load_reward_funcs
 
 DEFAULTS = {"output_dir": "outputs/grpo", "num_train_epochs": 1, "learning_rate": 1e-3,
             "per_device_train_batch_size": 16, "max_seq_length": 1024, "logging_steps": 1, "num_generations": 4,
@@ -71,19 +70,21 @@ class GRPOArguments(causal_lm.ChatModelArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        grpo.check_grpo_options(num_generations=self.num_generations, completions_per_step=self.num_generations,
-                                loss_type=self.loss_type, scale_rewards=self.scale_rewards, epsilon=self.epsilon,
-                                epsilon_high=self.epsilon_high, beta=self.beta, num_iterations=self.num_iterations)
+        # Imported now, so that a bad spec is refused before anything heavy loads.
+        self.rewards = load_reward_funcs(self.reward_funcs or [DEFAULT_REWARD])
+        grpo.check_grpo_options(num_generations=self.num_generations, loss_type=self.loss_type,
+                                scale_rewards=self.scale_rewards, epsilon=self.epsilon, epsilon_high=self.epsilon_high,
+                                beta=self.beta, num_iterations=self.num_iterations)
         if not self.temperature > 0 or not 0 < self.top_p <= 1:
             raise UserError(f"--temperature {self.temperature} --top_p {self.top_p}: sample at a temperature above 0 "
                             "with top_p in (0, 1]")
-        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs or [DEFAULT_REWARD]):
-            raise UserError(f"{len(self.reward_weights)} --reward_weights for "
-                            f"{len(self.reward_funcs or [DEFAULT_REWARD])} --reward_funcs; give one weight each")
+        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
+            raise UserError(f"{len(self.reward_weights)} --reward_weights for {len(self.rewards)} --reward_funcs; "
+                            "give one weight each")
+        self.weights = np.array(self.reward_weights or [1.0] * len(self.rewards))
         if not 0 <= self.max_reward_failures <= 1 or not self.reward_timeout > 0:
             raise UserError(f"--max_reward_failures {self.max_reward_failures} --reward_timeout "
                             f"{self.reward_timeout}: give a share from 0 to 1 and a positive number of seconds")
-        self.reward_funcs = [f.name for f in load_reward_funcs(self.reward_funcs or [DEFAULT_REWARD])]
 
 
 class GRPOTask(causal_lm.ChatTask):
@@ -94,7 +95,7 @@ class GRPOTask(causal_lm.ChatTask):
     pool = None
 
     def load_data(self, cfg):
-        if (cfg.train_file or cfg.dataset_name) and self.args.reward_funcs == [DEFAULT_REWARD]:
+        if (cfg.train_file or cfg.dataset_name) and not self.args.reward_funcs:
             raise UserError("your data needs reward functions of its own: give --reward_funcs module:function ... "
                             "(TRL's signature, func(prompts, completions, **columns) -> list of floats)")
         return load_splits(cfg, SUPPORT_PROMPTS)
@@ -107,22 +108,16 @@ class GRPOTask(causal_lm.ChatTask):
 
     def setup(self, cfg, tokenizer, data):
         args, env = self.args, LaunchEnvironment.read()
-        grpo.check_grpo_options(
-            num_generations=args.num_generations, loss_type=args.loss_type, scale_rewards=args.scale_rewards,
-            completions_per_step=cfg.per_device_train_batch_size * env.world_size * cfg.gradient_accumulation_steps,
-            epsilon=args.epsilon, epsilon_high=args.epsilon_high, beta=args.beta, num_iterations=args.num_iterations)
-        first = data.train[0]
-        prompt = json.loads(first["prompt_messages"])
-        check_reward_signature(load_reward_funcs(args.reward_funcs), prompt,
-                               "" if isinstance(prompt, str) else [{"role": "assistant", "content": ""}],
-                               json.loads(first["columns"]))
-        self.pool = RewardPool(args.reward_funcs, timeout=args.reward_timeout)
+        grpo.check_whole_groups(cfg.per_device_train_batch_size * env.world_size * cfg.gradient_accumulation_steps,
+                                args.num_generations)
+        grpo.check_rewards_on(args.rewards, data.train[0])
+        specs = [reward.name for reward in args.rewards]
+        self.pool = RewardPool(specs, timeout=args.reward_timeout)
         model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
                                trust_remote_code=cfg.trust_remote_code)
         model, adapters = causal_lm.adapt_chat_model(model, args, tokenizer)
-        self.weights = np.array(args.reward_weights or [1.0] * len(args.reward_funcs))
         self.rollouts = grpo.Rollouts(
-            args, data.train, tokenizer, self.pool, self.weights.tolist(),
+            args, data.train, tokenizer, self.pool, args.weights.tolist(),
             model.generation_config.eos_token_id, world_size=env.world_size, rank=env.rank,
             per_device_batch_size=cfg.per_device_train_batch_size, accumulation_steps=cfg.gradient_accumulation_steps,
             seed=cfg.seed, reference=Reference(model) if args.beta else None)
@@ -137,7 +132,7 @@ class GRPOTask(causal_lm.ChatTask):
             raise UserError(f"{len(train_set)} training prompts are fewer than a step's {sampler.prompts_per_window}; "
                             "lower --per_device_train_batch_size or --gradient_accumulation_steps, or add prompts")
         summary = [f"{args.num_generations} completions a prompt, --loss_type {args.loss_type}, rewards: "
-                   + ", ".join(args.reward_funcs), adapters]
+                   + ", ".join(specs), adapters]
         return TaskSetup(train_set, TokenizedDataset(data.validation, ["index"]), _indices, model, sampler=sampler,
                          summary=", ".join(filter(None, summary)))
 
@@ -153,12 +148,9 @@ class GRPOTask(causal_lm.ChatTask):
     def eval_outputs(self, model, batch):
         return (self.replies.generate(model, batch["index"]),)
 
-    def metrics(self, outputs):  # over the prompts each function scored: a failure counts as no score, not 0
-        scores = grpo.score_replies(self.pool, self.replies.prompted, self.replies.texts(outputs[0])).values
-        totals = np.where(np.isnan(scores).all(1), np.nan, (np.nan_to_num(scores) * self.weights).sum(1))
-        figures = {"reward": totals, **{f"rewards/{name}/mean": scores[:, k]
-                                        for k, name in enumerate(grpo.reward_names(self.args.reward_funcs))}}
-        return {**{name: float(np.nanmean(v)) for name, v in figures.items() if not np.isnan(v).all()},
+    def metrics(self, outputs):
+        texts = self.replies.texts(outputs[0])
+        return {**grpo.eval_rewards(self.pool, self.replies.prompted, texts, self.args.weights),
                 **self.replies.metrics(outputs[0])}
 
     def write_predictions(self, outputs, output_dir):

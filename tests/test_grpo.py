@@ -32,6 +32,7 @@ from finetune.errors import UserError
 from finetune.tasks.grpo import (
     RolloutSampler,
     check_grpo_options,
+    check_whole_groups,
     completion_loss_units,
     group_advantages,
     policy_loss,
@@ -179,7 +180,6 @@ def test_a_global_batch_gives_the_same_loss_and_gradient_at_any_world_size_and_a
 
 @pytest.mark.parametrize("options, message", [
     ({"num_generations": 1}, "--num_generations is 1"),
-    ({"completions_per_step": 12}, "do not hold whole groups of --num_generations 8"),
     ({"loss_type": "bnpo"}, "--loss_type 'bnpo' is unknown"),
     ({"scale_rewards": "yes"}, "--scale_rewards 'yes' is unknown"),
     ({"epsilon_high": 0.1}, "--epsilon_high 0.1 is below --epsilon 0.2"),
@@ -187,11 +187,17 @@ def test_a_global_batch_gives_the_same_loss_and_gradient_at_any_world_size_and_a
     ({"num_iterations": 0}, "--num_iterations is 0"),
 ])
 def test_options_that_cannot_work_are_refused_by_name(options, message):
-    good = dict(num_generations=8, completions_per_step=16, loss_type="dapo", scale_rewards="group", epsilon=0.2,
-                epsilon_high=None, beta=0.0, num_iterations=1)
+    good = dict(num_generations=8, loss_type="dapo", scale_rewards="group", epsilon=0.2, epsilon_high=None,
+                beta=0.0, num_iterations=1)
     check_grpo_options(**good)
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
         check_grpo_options(**{**good, **options})
+
+
+def test_a_step_must_hold_whole_groups():
+    check_whole_groups(16, 8)
+    with pytest.raises(UserError, match="a step's 12 completions .* do not hold whole groups of --num_generations 8"):
+        check_whole_groups(12, 8)
 
 
 # -- sampling and the plan of rollouts

@@ -1,6 +1,7 @@
-"""GRPO's arithmetic: a group's advantages from its completions' rewards, and the clipped policy loss of each
-loss type as a sum over loss units, so that the shared loop's normalisation (``world_size / units in the global
-batch``) makes it exact at any world size and accumulation.
+"""GRPO: prompts through the chat template, the plan of rollouts, sampling seeded per completion, and the
+rollouts that turn a step's prompts into training batches (``Rollouts``); the arithmetic: a group's advantages from
+its completions' rewards, and the clipped policy loss of each loss type as a sum over loss units, so that the shared
+loop's normalisation (``world_size / units in the global batch``) makes it exact at any world size and accumulation.
 
 A rollout is G completions per prompt (a *group*), scored by reward functions; every completion's advantage is its
 reward against its group's. The loss types differ only in what a loss unit is:
@@ -34,11 +35,11 @@ from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
 from finetune.tasks.causal_lm import cache_keyword, label_log_probs
 from finetune.tasks.chat import IGNORE, check_conversation, render_prompts, rows_tools, without_nulls
-from finetune.tasks.rewards import RewardFailures, RewardPool, RewardScores
+from finetune.tasks.rewards import RewardFailures, RewardFunc, RewardPool, RewardScores, check_reward_signature
 
 __all__ = ["LOSS_TYPES", "SCALE_REWARDS", "Advantages", "RolloutSampler", "Rollouts", "check_grpo_options",
-           "completion_loss_units", "group_advantages", "policy_loss", "reward_names", "sample_completions",
-           "score_replies", "tokenize_prompts"]
+           "check_rewards_on", "check_whole_groups", "completion_loss_units", "eval_rewards", "group_advantages",
+           "policy_loss", "reward_names", "sample_completions", "score_replies", "tokenize_prompts"]
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -47,20 +48,12 @@ STD_EPSILON = 1e-4
 barely differ does not get huge advantages."""
 
 
-def check_grpo_options(*, num_generations: int, completions_per_step: int, loss_type: str, scale_rewards: str,
-                       epsilon: float, epsilon_high: float | None, beta: float, num_iterations: int) -> None:
-    """Raises ``UserError`` for GRPO options that cannot work together (named as flags).
-
-    ``completions_per_step``: the completions of one optimizer step over every process (per-device batch x world
-    size x accumulation), which must hold whole groups.
-    """
+def check_grpo_options(*, num_generations: int, loss_type: str, scale_rewards: str, epsilon: float,
+                       epsilon_high: float | None, beta: float, num_iterations: int) -> None:
+    """Raises ``UserError`` for GRPO options that cannot work together (named as flags)."""
     if num_generations < 2:
         raise UserError(f"--num_generations is {num_generations}; a group needs at least 2 completions to compare "
                         "(GRPO's advantage is a completion's reward against its group's)")
-    if completions_per_step % num_generations:
-        raise UserError(f"a step's {completions_per_step} completions (--per_device_train_batch_size x processes x "
-                        f"--gradient_accumulation_steps) do not hold whole groups of --num_generations "
-                        f"{num_generations}; make the product a multiple of {num_generations}")
     if loss_type not in LOSS_TYPES:
         raise UserError(f"--loss_type {loss_type!r} is unknown; use one of {', '.join(LOSS_TYPES)}")
     if scale_rewards not in SCALE_REWARDS:
@@ -74,6 +67,15 @@ def check_grpo_options(*, num_generations: int, completions_per_step: int, loss_
         raise UserError(f"--beta is {beta}; give 0 (no KL term) or a positive weight")
     if num_iterations < 1:
         raise UserError(f"--num_iterations is {num_iterations}; each rollout trains at least once")
+
+
+def check_whole_groups(completions_per_step: int, num_generations: int) -> None:
+    """Raises ``UserError`` unless a step's completions over every process (per-device batch x world size x
+    accumulation) hold whole groups."""
+    if completions_per_step % num_generations:
+        raise UserError(f"a step's {completions_per_step} completions (--per_device_train_batch_size x processes x "
+                        f"--gradient_accumulation_steps) do not hold whole groups of --num_generations "
+                        f"{num_generations}; make the product a multiple of {num_generations}")
 
 
 @dataclass
@@ -220,6 +222,25 @@ def score_replies(pool: RewardPool, rows: datasets.Dataset, texts: list[str]) ->
                for prompt, text in zip(prompts, texts, strict=True)]
     columns = [json.loads(c) for c in rows["columns"]]
     return pool.score(prompts, replies, {key: [c[key] for c in columns] for key in (columns[0] if columns else ())})
+
+
+def check_rewards_on(rewards: list[RewardFunc], row: dict) -> None:
+    """Each reward function called once, here, on the first row of ``tokenize_prompts`` with an empty reply, as
+    training calls it (``finetune.tasks.rewards.check_reward_signature``: a function that cannot take the call is
+    refused before the model loads)."""
+    prompt = json.loads(row["prompt_messages"])
+    reply = "" if isinstance(prompt, str) else [{"role": "assistant", "content": ""}]
+    check_reward_signature(rewards, prompt, reply, json.loads(row["columns"]))
+
+
+def eval_rewards(pool: RewardPool, rows: datasets.Dataset, texts: list[str], weights: np.ndarray) -> dict[str, float]:
+    """``reward`` (the weighted sum) and ``rewards/NAME/mean`` of the replies ``texts`` to ``rows``, each over the
+    replies its functions scored: a failure counts in no mean, as 0 would."""
+    scores = score_replies(pool, rows, texts).values
+    totals = np.where(np.isnan(scores).all(1), np.nan, (np.nan_to_num(scores) * weights).sum(1))
+    figures = {"reward": totals, **{f"rewards/{name}/mean": scores[:, k]
+                                    for k, name in enumerate(reward_names(pool.names))}}
+    return {name: float(np.nanmean(values)) for name, values in figures.items() if not np.isnan(values).all()}
 
 
 class RolloutSampler(GlobalBatchSampler):
