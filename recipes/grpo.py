@@ -14,6 +14,7 @@ Flags follow TRL's GRPO script; `--config FILE.yaml` sets any of them.
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -111,6 +112,7 @@ class GRPOTask(causal_lm.ChatTask):
         grpo.check_whole_groups(cfg.per_device_train_batch_size * env.world_size * cfg.gradient_accumulation_steps,
                                 args.num_generations)
         grpo.check_rewards_on(args.rewards, data.train[0])
+        self.run_files = tuple(f"rollout-rank{rank}.pt" for rank in range(env.world_size))  # (num_iterations > 1)
         specs = [reward.name for reward in args.rewards]
         self.pool = RewardPool(specs, timeout=args.reward_timeout)
         model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
@@ -120,7 +122,8 @@ class GRPOTask(causal_lm.ChatTask):
             args, data.train, tokenizer, self.pool, args.weights.tolist(),
             model.generation_config.eos_token_id, world_size=env.world_size, rank=env.rank,
             per_device_batch_size=cfg.per_device_train_batch_size, accumulation_steps=cfg.gradient_accumulation_steps,
-            seed=cfg.seed, reference=Reference(model) if args.beta else None)
+            seed=cfg.seed, reference=Reference(model) if args.beta else None,
+            kept=Path(cfg.output_dir) / self.run_files[env.rank])
         args.max_new_tokens = args.max_completion_length
         self.replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
                                              SUPPORT_PROMPTS.score_replies, count=len(data.validation))

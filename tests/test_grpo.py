@@ -422,3 +422,23 @@ def test_data_of_ones_own_needs_reward_functions_of_its_own(tiny_chat_model, tmp
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "What is 2 + 2?", "answer": "4"}] * 4)
     assert_refused("grpo", ["--train_file", data, "--validation_file", data, "--model_name_or_path",
                             str(tiny_chat_model), "--output_dir", str(tmp_path / "out")], tmp_path, "--reward_funcs")
+
+
+@pytest.mark.slow
+def test_a_run_resumed_between_two_passes_over_a_rollout_trains_on_that_rollout(
+        tiny_chat_model_with_distinct_replies, rewards, tmp_path):
+    """Two passes over each rollout: a run stopped after the first pass of its first rollout (a one-step run with a
+    constant learning rate, checkpointed) and resumed in its folder ends where the uninterrupted run does."""
+    flags = [*FLAGS, "--reward_funcs", f"{rewards}:distinct", "--num_iterations", "2", "--lr_scheduler_type",
+             "constant", "--per_device_train_batch_size", "8", "--checkpointing_steps", "1"]
+    model = tiny_chat_model_with_distinct_replies
+    run_on("grpo", model, [], tmp_path / "whole", *flags, "--max_train_steps", "4")
+    run_on("grpo", model, [], tmp_path / "stopped", *flags, "--max_train_steps", "1")
+    assert (tmp_path / "stopped" / "rollout-rank0.pt").is_file()
+    run_on("grpo", model, [], tmp_path / "stopped", *flags, "--max_train_steps", "4", "--resume_from_checkpoint",
+           "latest")
+    whole, resumed = log_history(tmp_path / "whole"), log_history(tmp_path / "stopped")
+    assert [h["step"] for h in resumed] == [1, 2, 3, 4] and "reward" not in resumed[1], "step 2 reuses the rollout"
+    for ours, theirs in zip(resumed, whole, strict=True):
+        assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"])
+    assert max_weight_diff(tmp_path / "stopped", tmp_path / "whole", "adapter_model.safetensors") == 0

@@ -22,7 +22,9 @@ import itertools
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -358,13 +360,15 @@ class Rollouts:
     ``loss_type``, ``scale_rewards``, ``mask_truncated_completions``, ``num_iterations``, ``beta``,
     ``max_reward_failures``); ``prompts`` is the training split of ``tokenize_prompts``; ``pool`` a
     ``finetune.tasks.rewards.RewardPool``; ``stop_ids`` end a completion; ``reference`` (with ``beta``) a
-    ``finetune.tasks.preference.Reference``.
+    ``finetune.tasks.preference.Reference``; ``kept`` the file where this process keeps its rollout while a later
+    pass over it may still be resumed into (``num_iterations`` > 1).
     """
 
     def __init__(self, args, prompts: datasets.Dataset, tokenizer, pool: RewardPool, weights: list[float],
                  stop_ids: list[int], *, world_size: int, rank: int, per_device_batch_size: int,
-                 accumulation_steps: int, seed: int, reference=None):
+                 accumulation_steps: int, seed: int, reference=None, kept: Path | None = None):
         self.args, self.prompts, self.tokenizer, self.pool, self.reference = args, prompts, tokenizer, pool, reference
+        self.kept = kept
         self.weights, self.stop_ids = torch.tensor(weights, dtype=torch.float64), set(stop_ids)
         self.world_size, self.rank, self.seed = world_size, rank, seed
         self.per_device_batch_size, self.accumulation_steps = per_device_batch_size, accumulation_steps
@@ -380,21 +384,52 @@ class Rollouts:
         """The window's micro-batches, for each of its ``num_iterations`` passes (or those a resumed run has left),
         made from one rollout."""
         one_pass = window[:self.accumulation_steps]
+        passes = len(window) // self.accumulation_steps
+        key = [epoch, one_pass[0][1].window, self.world_size, self.seed]
+        device = next(model.parameters()).device
+        micro_batches = self._kept_rollout(key, device) if passes < self.args.num_iterations else None
+        if micro_batches is None:
+            micro_batches = self._roll_out(model, one_pass, epoch, device)
+            if self.args.num_iterations > 1:
+                self._keep(key, micro_batches)
+        return [(dict(batch), planned) for _ in range(passes) for batch, planned in micro_batches]
+
+    def _roll_out(self, model, one_pass: list[tuple[dict, PlannedBatch]], epoch: int, device: torch.device
+                  ) -> list[tuple[dict, PlannedBatch]]:
         rows = [row for batch, _ in one_pass for row in batch["index"].tolist()]
         started = time.perf_counter()
         completions = self._sample(model, rows, epoch, one_pass[0][1].window)
         sampled = time.perf_counter()
         rewards, failed = self._score(rows, completions)
         scored = time.perf_counter()
-        device = next(model.parameters()).device
         shared = self._shared(rewards, failed, completions, device)
         advantages = group_advantages(shared["rewards"], self.weights, self.args.num_generations,
                                       self.args.scale_rewards)
         micro_batches = self._micro_batches(model, rows, completions, shared, advantages.advantages, device,
                                             [planned for _, planned in one_pass])
         self._note_rollout(shared, advantages, sampled - started, scored - sampled)
-        passes = len(window) // self.accumulation_steps
-        return [(dict(batch), planned) for _ in range(passes) for batch, planned in micro_batches]
+        return micro_batches
+
+    def _keep(self, key: list, micro_batches: list[tuple[dict, PlannedBatch]]) -> None:
+        """Keep the rollout until its last pass: a run resumed between two passes trains on it, not on a new one."""
+        kept = [({name: value.cpu() for name, value in batch.items()}, list(planned), vars(planned))
+                for batch, planned in micro_batches]
+        partial = self.kept.with_name(self.kept.name + ".partial")
+        torch.save({"key": key, "micro_batches": kept}, partial)
+        partial.replace(self.kept)
+
+    def _kept_rollout(self, key: list, device: torch.device) -> list[tuple[dict, PlannedBatch]] | None:
+        """The rollout a run resumed between two passes over it trains on, if this process kept it; else None (the
+        run had moved past the checkpoint it resumes from): it is sampled again, from the resumed weights."""
+        kept = torch.load(self.kept, weights_only=True) if self.kept and self.kept.is_file() else None
+        if kept is None or kept["key"] != key:
+            warnings.warn("resumed between two passes over a rollout that is no longer kept (the run went on past "
+                          "this checkpoint): sampling it again from the resumed weights", stacklevel=2)
+            return None
+        return [({name: value.to(device) for name, value in batch.items()},
+                 PlannedBatch(indices, attributes["num_real"], attributes["units"], attributes["loss_scale"],
+                              attributes["window"], attributes["real_tokens"]))
+                for batch, indices, attributes in kept["micro_batches"]]
 
     def _sample(self, model, rows: list[int], epoch: int, window: int) -> list[list[int]]:
         runs = [(row, len(list(group))) for row, group in itertools.groupby(rows)]
