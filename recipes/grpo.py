@@ -83,6 +83,7 @@ class GRPOArguments(causal_lm.ChatModelArguments):
             raise UserError(f"{len(self.reward_weights)} --reward_weights for {len(self.rewards)} --reward_funcs; "
                             "give one weight each")
         self.weights = np.array(self.reward_weights or [1.0] * len(self.rewards))
+        self.max_new_tokens = self.max_completion_length  # the evaluation's replies are as long as the completions
         if not 0 <= self.max_reward_failures <= 1 or not self.reward_timeout > 0:
             raise UserError(f"--max_reward_failures {self.max_reward_failures} --reward_timeout "
                             f"{self.reward_timeout}: give a share from 0 to 1 and a positive number of seconds")
@@ -124,7 +125,6 @@ class GRPOTask(causal_lm.ChatTask):
             per_device_batch_size=cfg.per_device_train_batch_size, accumulation_steps=cfg.gradient_accumulation_steps,
             seed=cfg.seed, reference=Reference(model) if args.beta else None,
             kept=Path(cfg.output_dir) / self.run_files[env.rank])
-        args.max_new_tokens = args.max_completion_length
         self.replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
                                              SUPPORT_PROMPTS.score_replies, count=len(data.validation))
         train_set = TokenizedDataset(data.train, ["index"])
