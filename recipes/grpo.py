@@ -13,13 +13,10 @@ reward functions read, or `--dataset_name`. Reward functions have TRL's signatur
 Flags follow TRL's GRPO script; `--config FILE.yaml` sets any of them.
 """
 
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from finetune.config import arg
 from finetune.data.batching import TokenizedDataset
 from finetune.data.embedded.support_chats import SUPPORT_PROMPTS
 from finetune.data.sources import load_splits
@@ -29,64 +26,17 @@ from finetune.models.loading import default_chat_model_path
 from finetune.recipe import run_recipe
 from finetune.task import TaskSetup
 from finetune.tasks import causal_lm, grpo
+from finetune.tasks.grpo import GRPOArguments
 from finetune.tasks.preference import Reference, load_causal_lm
-from finetune.tasks.rewards import RewardPool, load_reward_funcs
+from finetune.tasks.rewards import RewardPool
 
+DEFAULT_REWARD = "finetune.data.embedded.support_chats:routing_reward"
 DEFAULTS = {"output_dir": "outputs/grpo", "num_train_epochs": 1, "learning_rate": 1e-3,
             "per_device_train_batch_size": 16, "max_seq_length": 1024, "logging_steps": 1, "num_generations": 4,
-            "max_completion_length": 16}
-"""This recipe's defaults: LoRA at a high learning rate, a step of 16 completions (four prompts' groups of 4), and
-completions as long as a reply's first line (all the routing reward reads) needs: one epoch of the embedded
-prompts is 40 steps."""
-DEFAULT_REWARD = "finetune.data.embedded.support_chats:routing_reward"
-
-
-@dataclass
-class GRPOArguments(causal_lm.ChatModelArguments):
-    reward_funcs: list[str] = arg([], "Reward functions, each module:function (a module name or a .py file), with "
-                                      "TRL's signature; default: the embedded prompts' routing reward.")
-    reward_weights: list[float] = arg([], "A weight per reward function (default 1 each); a completion's reward is "
-                                          "the weighted sum of those that score it.")
-    reward_timeout: float = arg(60.0, "Seconds a reward function may take on a step's completions before the call "
-                                      "fails (its worker is replaced).")
-    max_reward_failures: float = arg(0.05, "The share of completions a reward function may fail on (raise, hang, "
-                                           "return a wrong or non-finite value) before the run stops; failed ones "
-                                           "are left out of their group's reward, never scored 0.")
-    num_generations: int = arg(8, "Completions sampled per prompt: a group, whose rewards set each other's "
-                                  "advantages.")
-    max_completion_length: int = arg(256, "Longest completion, in tokens.")
-    temperature: float = arg(1.0, "Sampling temperature (the log-probabilities trained are at it too).")
-    top_p: float = arg(1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches it.")
-    loss_type: str = arg("dapo", "dapo (the mean over every completion token of a step), grpo (each completion's "
-                                 "mean, then the completions'), dr_grpo (sums over max_completion_length).")
-    scale_rewards: str = arg("group", "Divide advantages by the group's reward std (group), the step's (batch), "
-                                      "or not at all (none).")
-    epsilon: float = arg(0.2, "Clip the importance ratio below at 1 - epsilon.")
-    epsilon_high: float | None = arg(None, "Clip it above at 1 + epsilon_high (DAPO's clip-higher); default epsilon.")
-    num_iterations: int = arg(1, "Optimizer steps on each rollout (the ratio is against the log-probabilities it "
-                                 "was sampled with).")
-    beta: float = arg(0.0, "Weight of the KL term against the reference (the model with its adapters off); 0: "
-                           "none, and no reference pass.")
-    mask_truncated_completions: bool = arg(False, "Leave completions cut at max_completion_length out of the loss.")
-
-    def __post_init__(self):
-        super().__post_init__()
-        # Imported now, so that a bad spec is refused before anything heavy loads.
-        self.rewards = load_reward_funcs(self.reward_funcs or [DEFAULT_REWARD])
-        grpo.check_grpo_options(num_generations=self.num_generations, loss_type=self.loss_type,
-                                scale_rewards=self.scale_rewards, epsilon=self.epsilon, epsilon_high=self.epsilon_high,
-                                beta=self.beta, num_iterations=self.num_iterations)
-        if not self.temperature > 0 or not 0 < self.top_p <= 1:
-            raise UserError(f"--temperature {self.temperature} --top_p {self.top_p}: sample at a temperature above 0 "
-                            "with top_p in (0, 1]")
-        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
-            raise UserError(f"{len(self.reward_weights)} --reward_weights for {len(self.rewards)} --reward_funcs; "
-                            "give one weight each")
-        self.weights = np.array(self.reward_weights or [1.0] * len(self.rewards))
-        self.max_new_tokens = self.max_completion_length  # the evaluation's replies are as long as the completions
-        if not 0 <= self.max_reward_failures <= 1 or not self.reward_timeout > 0:
-            raise UserError(f"--max_reward_failures {self.max_reward_failures} --reward_timeout "
-                            f"{self.reward_timeout}: give a share from 0 to 1 and a positive number of seconds")
+            "max_completion_length": 16, "reward_funcs": [DEFAULT_REWARD]}
+"""This recipe's defaults: LoRA at a high learning rate, a step of 16 completions (four prompts' groups of 4),
+completions as long as a reply's first line (all the routing reward reads) needs, so that one epoch of the embedded
+prompts is 40 steps, and the routing reward for the embedded prompts."""
 
 
 class GRPOTask(causal_lm.ChatTask):
@@ -97,7 +47,7 @@ class GRPOTask(causal_lm.ChatTask):
     pool = None
 
     def load_data(self, cfg):
-        if (cfg.train_file or cfg.dataset_name) and not self.args.reward_funcs:
+        if (cfg.train_file or cfg.dataset_name) and self.args.reward_funcs == [DEFAULT_REWARD]:
             raise UserError("your data needs reward functions of its own: give --reward_funcs module:function ... "
                             "(TRL's signature, func(prompts, completions, **columns) -> list of floats)")
         return load_splits(cfg, SUPPORT_PROMPTS)

@@ -30,24 +30,88 @@ import datasets
 import numpy as np
 import torch
 
+from finetune.config import arg
 from finetune.data.batching import LENGTH, LOSS_UNITS, GlobalBatchSampler, PlannedBatch
 from finetune.data.cache import TOKEN_IDS, Tokenizing
 from finetune.distributed.ddp import all_reduce_max, all_reduce_sum
 from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
-from finetune.tasks.causal_lm import cache_keyword, label_log_probs
+from finetune.tasks.causal_lm import ChatModelArguments, cache_keyword, label_log_probs
 from finetune.tasks.chat import IGNORE, check_conversation, render_prompts, rows_tools, without_nulls
-from finetune.tasks.rewards import RewardFailures, RewardFunc, RewardPool, RewardScores, check_reward_signature
+from finetune.tasks.rewards import (
+    RewardFailures,
+    RewardFunc,
+    RewardPool,
+    RewardScores,
+    check_reward_signature,
+    load_reward_funcs,
+)
 
-__all__ = ["LOSS_TYPES", "SCALE_REWARDS", "Advantages", "RolloutSampler", "Rollouts", "check_grpo_options",
-           "check_rewards_on", "check_whole_groups", "completion_loss_units", "eval_rewards", "group_advantages",
-           "policy_loss", "reward_names", "sample_completions", "score_replies", "tokenize_prompts"]
+__all__ = ["LOSS_TYPES", "SCALE_REWARDS", "Advantages", "GRPOArguments", "RolloutSampler", "Rollouts",
+           "check_grpo_options", "check_rewards_on", "check_whole_groups", "completion_loss_units", "eval_rewards",
+           "group_advantages", "policy_loss", "reward_names", "sample_completions", "score_replies",
+           "tokenize_prompts"]
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPSILON = 1e-4
 """Added to the standard deviation a group's advantages are divided by, as TRL does, so a group whose rewards
 barely differ does not get huge advantages."""
+
+
+@dataclass
+class GRPOArguments(ChatModelArguments):
+    """The GRPO recipe's options (TRL's names), checked before anything heavy loads: the reward functions are
+    imported (``rewards``, with their ``weights``)."""
+
+    reward_funcs: list[str] = arg([], "Reward functions, each module:function (a module name or a .py file), with "
+                                      "TRL's signature.")
+    reward_weights: list[float] = arg([], "A weight per reward function (default 1 each); a completion's reward is "
+                                          "the weighted sum of those that score it.")
+    reward_timeout: float = arg(60.0, "Seconds a reward function may take on a step's completions before the call "
+                                      "fails (its worker is replaced).")
+    max_reward_failures: float = arg(0.05, "The share of completions a reward function may fail on (raise, hang, "
+                                           "return a wrong or non-finite value) before the run stops; failed ones "
+                                           "are left out of their group's reward, never scored 0.")
+    num_generations: int = arg(8, "Completions sampled per prompt: a group, whose rewards set each other's "
+                                  "advantages.")
+    max_completion_length: int = arg(256, "Longest completion, in tokens.")
+    temperature: float = arg(1.0, "Sampling temperature (the log-probabilities trained are at it too).")
+    top_p: float = arg(1.0, "Nucleus sampling: the smallest set of tokens whose probability reaches it.")
+    loss_type: str = arg("dapo", "dapo (the mean over every completion token of a step), grpo (each completion's "
+                                 "mean, then the completions'), dr_grpo (sums over max_completion_length).")
+    scale_rewards: str = arg("group", "Divide advantages by the group's reward std (group), the step's (batch), "
+                                      "or not at all (none).")
+    epsilon: float = arg(0.2, "Clip the importance ratio below at 1 - epsilon.")
+    epsilon_high: float | None = arg(None, "Clip it above at 1 + epsilon_high (DAPO's clip-higher); default epsilon.")
+    num_iterations: int = arg(1, "Optimizer steps on each rollout (the ratio is against the log-probabilities it "
+                                 "was sampled with).")
+    beta: float = arg(0.0, "Weight of the KL term against the reference (the model with its adapters off); 0: "
+                           "none, and no reference pass.")
+    mask_truncated_completions: bool = arg(False, "Leave completions cut at max_completion_length out of the loss.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        # Imported now, so that a bad spec is refused before anything heavy loads.
+        if not self.reward_funcs:
+            raise UserError("no --reward_funcs: give reward functions as module:function (TRL's signature, "
+                            "func(prompts, completions, **columns) -> a list of floats or None)")
+        self.rewards = load_reward_funcs(self.reward_funcs)
+        check_grpo_options(num_generations=self.num_generations, loss_type=self.loss_type,
+                                scale_rewards=self.scale_rewards, epsilon=self.epsilon, epsilon_high=self.epsilon_high,
+                                beta=self.beta, num_iterations=self.num_iterations)
+        if not self.temperature > 0 or not 0 < self.top_p <= 1:
+            raise UserError(f"--temperature {self.temperature} --top_p {self.top_p}: sample at a temperature above 0 "
+                            "with top_p in (0, 1]")
+        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
+            raise UserError(f"{len(self.reward_weights)} --reward_weights for {len(self.rewards)} --reward_funcs; "
+                            "give one weight each")
+        self.weights = np.array(self.reward_weights or [1.0] * len(self.rewards))
+        self.max_new_tokens = self.max_completion_length  # the evaluation's replies are as long as the completions
+        if not 0 <= self.max_reward_failures <= 1 or not self.reward_timeout > 0:
+            raise UserError(f"--max_reward_failures {self.max_reward_failures} --reward_timeout "
+                            f"{self.reward_timeout}: give a share from 0 to 1 and a positive number of seconds")
+
 
 
 def check_grpo_options(*, num_generations: int, loss_type: str, scale_rewards: str, epsilon: float,
