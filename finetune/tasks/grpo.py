@@ -582,11 +582,11 @@ class Rollouts:
                 attention_mask[k, :len(sequence)] = 1
                 if shared["mask"][i].any():
                     labels[k, len(prompt):len(sequence)] = torch.tensor(completion)
+            where = [shared["positions"][i] for i in mine]  # the rows' places in the window's global order
             batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
-                     "labels": labels.to(device), "advantages": advantages[[shared["positions"][i] for i in mine]]
-                     .to(device, torch.float32)}
+                     "labels": labels.to(device), "advantages": advantages[where].to(device, torch.float32)}
             self._add_log_probs(model, batch)
-            units = int(shared["units"][[shared["positions"][i] for i in mine]].sum())
+            units = int(shared["units"][where].sum())
             made.append((batch, PlannedBatch(list(share), len(sequences), units, scale, share.window,
                                              real_tokens=int(attention_mask.sum()))))
         return made
