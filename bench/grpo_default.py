@@ -34,10 +34,13 @@ def held_out_reward(model: str | None) -> float:
 
 def grpo_run(output_dir: Path, *flags: str) -> dict:
     run, wall, peak = launch_default_run("grpo", output_dir, *flags)
-    curve = [round(step["reward"], 4) for step in map(json.loads, open(output_dir / "log_history.jsonl"))
-             if "reward" in step]
+    steps = [step for step in map(json.loads, open(output_dir / "log_history.jsonl")) if "reward" in step]
     return {"held_out_reward": run["eval_reward"], "wall_seconds": wall, "peak_rss_mib": peak,
-            "global_step": run["global_step"], "train_runtime": run["train_runtime"], "training_reward_curve": curve}
+            "global_step": run["global_step"], "train_runtime": run["train_runtime"],
+            "training_reward_curve": [round(step["reward"], 4) for step in steps],
+            # groups whose completions all scored alike, which give no gradient: what stalls learning
+            "frac_reward_zero_std_curve": [step["frac_reward_zero_std"] for step in steps],
+            "grad_norm_curve": [round(step["grad_norm"], 4) for step in steps]}
 
 
 def main(results_file: Path) -> None:
