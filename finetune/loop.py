@@ -251,9 +251,9 @@ class Epochs:
                 self.scheduler.step()
                 self.optimizer.zero_grad()
         if planned.num_real:
-            real_tokens = planned.real_tokens or int(self.sampler.lengths[planned].sum())
-            self.meter.add(loss, planned.units, planned.num_real, real_tokens=real_tokens,
-                           processed_tokens=batch["input_ids"].numel(), figures=figures)
+            real, processed = planned.tokens or (int(self.sampler.lengths[planned].sum()), batch["input_ids"].numel())
+            self.meter.add(loss, planned.units, planned.num_real, real_tokens=real, processed_tokens=processed,
+                           figures=figures)
 
     def _after_step(self, epoch: int) -> None:
         """Log, evaluate and checkpoint at their cadence, then stop if a signal came."""

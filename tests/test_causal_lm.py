@@ -13,6 +13,7 @@ from finetune.tasks.causal_lm import (
     check_output_layer,
     greedy_replies,
     label_log_probs,
+    reply_log_probs,
     shared_prompt_log_probs,
     split_by_tokens,
     summed_log_probs,
@@ -156,6 +157,57 @@ def test_a_prompt_run_once_for_its_replies_scores_them_as_whole_rows_do(config_c
         whole_rows = whole_batch_log_probs(model, batch).sum(1).view(len(prompts), 3)
         for budget in (1, 60, 10_000):  # a prompt a pass, two, all
             torch.testing.assert_close(shared_prompt_log_probs(model, shared, budget), whole_rows, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("config_class", [LlamaConfig, Gemma2Config])
+def test_replies_trained_from_their_prompt_s_shared_pass_get_the_whole_rows_log_probs_and_gradients(config_class):
+    """GRPO's layout: a prompt run once for its completions, 1 to 3 of them, of lengths 1 to 7, in training mode
+    with LoRA; per-token log-probabilities and the gradient of any weighting of them equal whole rows'."""
+    model = add_lora(tiny_causal_lm(config_class), 4, 8, 0.0, "all-linear").train()
+    for name, weight in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(weight, std=0.02)
+    generator = torch.Generator().manual_seed(3)
+
+    def tokens(n):
+        return torch.randint(1, VOCAB, (n,), generator=generator).tolist()
+
+    prompts = [tokens(n) for n in (9, 3, 14, 6)]
+    replies = [[tokens(n) for n in lengths] for lengths in ((4, 1, 7), (2,), (1, 5), (3, 6, 6))]
+    prompt_of = torch.tensor([p for p, options in enumerate(replies) for _ in options])
+    rows = [(prompts[p], reply) for p, options in enumerate(replies) for reply in options]
+    width = max(len(p) + len(r) for p, r in rows)
+    whole = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
+             "labels": torch.full((len(rows), width), IGNORE)}
+    for i, (prompt, reply) in enumerate(rows):
+        whole["input_ids"][i, :len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+        whole["attention_mask"][i, :len(prompt) + len(reply)] = 1
+        whole["labels"][i, len(prompt):len(prompt) + len(reply)] = torch.tensor(reply)
+    weights = torch.rand(len(rows), 7, generator=generator) - 0.5
+
+    expected_rows, labels = label_log_probs(model, dict(whole), temperature=0.7)
+    starts = [len(prompt) - 1 for prompt, _ in rows]  # the position predicting each reply's first token
+    expected = torch.stack([torch.nn.functional.pad(row[start:start + len(reply)], (0, 7 - len(reply)))
+                            for row, start, (_, reply) in zip(expected_rows, starts, rows, strict=True)])
+    (expected * weights).sum().backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    prompt_ids, prompt_mask = right_padded(prompts)
+    reply_ids, reply_mask = right_padded([reply for _, reply in rows])
+    reply_ids, reply_mask = (torch.nn.functional.pad(t, (0, 7 - t.shape[1])) for t in (reply_ids, reply_mask))
+    log_probs = reply_log_probs(model, {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "reply_ids": reply_ids,
+                                        "reply_mask": reply_mask, "prompt_of": prompt_of}, temperature=0.7)
+    (log_probs * weights).sum().backward()
+
+    assert log_probs.shape == (9, 7) and torch.all(log_probs[reply_mask == 0] == 0)
+    assert torch.all(log_probs[reply_mask == 1] < 0)
+    torch.testing.assert_close(log_probs, expected, rtol=0, atol=2e-5)
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == expected_grads.keys() and len(grads) > 4
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda message, name=name: f"{name}: {message}")
 
 
 def right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

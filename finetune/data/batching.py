@@ -83,7 +83,7 @@ class PlannedBatch(list):
     """
 
     def __init__(self, indices: list[int], num_real: int, units: int, loss_scale: float, window: int = 0,
-                 real_tokens: int | None = None):
+                 tokens: tuple[int, int] | None = None):
         super().__init__(indices)
         self.num_real = num_real
         self.units = units
@@ -91,8 +91,9 @@ class PlannedBatch(list):
         self.loss_scale = loss_scale
         self.window = window
         """Which window (optimizer step's global batch) of the epoch the share belongs to."""
-        self.real_tokens = real_tokens
-        """Tokens of the real examples, where they are not the examples' planned lengths (a rollout's completions)."""
+        self.tokens = tokens
+        """(real, processed) tokens of the batch, where it is not its examples' planned rows padded (a rollout's
+        prompts, each run once, and their completions)."""
 
 
 class RankPlan:

@@ -32,8 +32,8 @@ from finetune.tasks.chat import IGNORE, end_of_turn_ids, require_chat_template, 
 
 __all__ = ["CausalLMArguments", "ChatModelArguments", "ChatTask", "EvalReplies", "adapt_chat_model", "cache_keyword",
            "chat_model_card", "check_output_layer", "decode_replies", "greedy_replies", "label_log_probs",
-           "language_model_collators", "load_chat_tokenizer", "save_chat_model", "shared_prompt_log_probs",
-           "split_by_tokens", "summed_log_probs"]
+           "language_model_collators", "load_chat_tokenizer", "reply_log_probs", "save_chat_model",
+           "shared_prompt_log_probs", "split_by_tokens", "summed_log_probs"]
 
 LOGITS_PER_CHUNK = 2**24
 """Logits computed at once (64 MiB in float32): a chunk holds ``LOGITS_PER_CHUNK // vocabulary`` positions."""
@@ -285,24 +285,44 @@ def shared_prompt_log_probs(model, batch: dict, max_tokens: int) -> torch.Tensor
 
 def _shared_prompt_pass(model, batch: dict, rows: slice, k: int) -> torch.Tensor:
     """``shared_prompt_log_probs`` of the prompts ``rows``: a forward pass over them, then one over their replies."""
-    head, keyword = model.get_output_embeddings(), cache_keyword(model)
-    prompt_ids, prompt_mask = _unpadded(batch["prompt_ids"][rows], batch["prompt_mask"][rows])
     reply_rows = slice(rows.start * k, rows.stop * k)
-    reply_ids, reply_mask = _unpadded(batch["reply_ids"][reply_rows], batch["reply_mask"][reply_rows])
+    prompt_of = torch.arange(rows.stop - rows.start, device=batch["prompt_mask"].device).repeat_interleave(k)
+    part = {"prompt_ids": batch["prompt_ids"][rows], "prompt_mask": batch["prompt_mask"][rows],
+            "reply_ids": batch["reply_ids"][reply_rows], "reply_mask": batch["reply_mask"][reply_rows],
+            "prompt_of": prompt_of}
+    return reply_log_probs(model, part).sum(1).view(-1, k)
+
+
+def reply_log_probs(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+    """``[replies, R]``: the float32 log-probability of each reply token given its prompt and the reply before it
+    (0 at padding), what ``label_log_probs`` gives for the rows prompt + reply, with each prompt run through the
+    model once and its KV cache copied to its replies: GRPO's completions share their prompt G times.
+
+    ``batch``: right-padded ``prompt_ids`` and ``prompt_mask`` ``[prompts, P]``, right-padded ``reply_ids`` and
+    ``reply_mask`` ``[replies, R]``, and ``prompt_of`` ``[replies]``, the row of each reply's prompt. A reply reads
+    on from its prompt's positions; its first token is scored from the prompt's last hidden state. ``model`` may
+    be wrapped (DDP) and train: its forward runs twice, and the gradient reaches the prompt's pass through the
+    copied cache.
+    """
+    inner = unwrap(model)
+    head, keyword = inner.get_output_embeddings(), cache_keyword(inner)
+    prompt_ids, prompt_mask = _unpadded(batch["prompt_ids"], batch["prompt_mask"])
+    reply_ids, reply_mask, prompt_of = *_unpadded(batch["reply_ids"], batch["reply_mask"]), batch["prompt_of"]
     lengths = prompt_mask.sum(1)
     with _output_layer_input(head) as seen:
         outputs = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True)
-    last = seen["hidden"][torch.arange(len(lengths), device=lengths.device), lengths - 1].repeat_interleave(k, 0)
+    last = seen["hidden"][prompt_of, lengths[prompt_of] - 1]
     cache = getattr(outputs, keyword)
-    cache.batch_repeat_interleave(k)
-    positions = lengths.repeat_interleave(k)[:, None] + torch.arange(reply_ids.shape[1], device=lengths.device)
+    cache.reorder_cache(prompt_of)
+    positions = lengths[prompt_of, None] + torch.arange(reply_ids.shape[1], device=lengths.device)
     with _output_layer_input(head) as seen:
-        model(input_ids=reply_ids, attention_mask=torch.cat([prompt_mask.repeat_interleave(k, 0), reply_mask], 1),
+        model(input_ids=reply_ids, attention_mask=torch.cat([prompt_mask[prompt_of], reply_mask], 1),
               position_ids=positions, use_cache=True, **{keyword: cache})
     labelled = reply_mask.bool()
     hidden = torch.cat([last[:, None], seen["hidden"][:, :-1]], 1)[labelled]
-    log_probs = _head_log_probs(model, seen, hidden, reply_ids[labelled])
-    return torch.zeros(reply_ids.shape, device=log_probs.device).masked_scatter(labelled, log_probs).sum(1).view(-1, k)
+    log_probs = _head_log_probs(inner, seen, hidden, reply_ids[labelled], temperature=temperature)
+    log_probs = torch.zeros(reply_ids.shape, device=log_probs.device).masked_scatter(labelled, log_probs)
+    return torch.nn.functional.pad(log_probs, (0, batch["reply_ids"].shape[1] - reply_ids.shape[1]))
 
 
 def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

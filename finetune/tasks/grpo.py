@@ -36,8 +36,8 @@ from finetune.data.cache import TOKEN_IDS, Tokenizing
 from finetune.distributed.ddp import all_reduce_max, all_reduce_sum
 from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
-from finetune.tasks.causal_lm import ChatModelArguments, cache_keyword, label_log_probs
-from finetune.tasks.chat import IGNORE, check_conversation, render_prompts, rows_tools, without_nulls
+from finetune.tasks.causal_lm import ChatModelArguments, cache_keyword, reply_log_probs
+from finetune.tasks.chat import check_conversation, render_prompts, rows_tools, without_nulls
 from finetune.tasks.rewards import (
     RewardFailures,
     RewardFunc,
@@ -401,6 +401,13 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
     return [row[:length].tolist() for row, length in zip(generated, lengths.tolist(), strict=True)]
 
 
+def _right_padded(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)``, each ``[len(rows), width]``: the token id lists, padded on the right."""
+    ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
+    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    return ids, mask
+
+
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """``probs`` with each row cut to its smallest set of tokens whose probability reaches ``top_p`` (at least the
     likeliest), renormalised by the sampling."""
@@ -492,7 +499,7 @@ class Rollouts:
             return None
         return [({name: value.to(device) for name, value in batch.items()},
                  PlannedBatch(indices, attributes["num_real"], attributes["units"], attributes["loss_scale"],
-                              attributes["window"], attributes["real_tokens"]))
+                              attributes["window"], tuple(attributes["tokens"])))
                 for batch, indices, attributes in kept["micro_batches"]]
 
     def _sample(self, model, rows: list[int], epoch: int, window: int) -> list[list[int]]:
@@ -563,32 +570,30 @@ class Rollouts:
     def _micro_batches(self, model, rows: list[int], completions: list[list[int]], shared: dict,
                        advantages: torch.Tensor, device: torch.device, planned: list[PlannedBatch]
                        ) -> list[tuple[dict, PlannedBatch]]:
-        """Each micro-batch's rows (prompt, then completion; only the completion's tokens labelled), advantages and
-        loss scale, with the log-probabilities a later pass over the rollout and the KL term need."""
+        """Each micro-batch's prompts (each once) and completions (``finetune.tasks.causal_lm.reply_log_probs``'s
+        batch; the tokens that train in ``completion_mask``), advantages and loss scale, with the log-probabilities
+        a later pass over the rollout and the KL term need."""
         units_everywhere = float(shared["units"].sum())
         scale = self.world_size / units_everywhere if units_everywhere else 0.0
-        prompt_ids = dict(zip(rows, self.prompts.select(rows)["prompt_ids"], strict=True))
+        width = self.args.max_completion_length
         made = []
         for m, share in enumerate(planned):
             mine = range(m * self.per_device_batch_size, (m + 1) * self.per_device_batch_size)
-            sequences = [prompt_ids[rows[i]] + completions[i] for i in mine]
-            longest = max(len(s) for s in sequences)
-            input_ids = torch.full((len(sequences), longest), self.pad)
-            labels = torch.full((len(sequences), longest), IGNORE)
-            attention_mask = torch.zeros((len(sequences), longest), dtype=torch.long)
-            for k, i in enumerate(mine):
-                prompt, completion, sequence = prompt_ids[rows[i]], completions[i], sequences[k]
-                input_ids[k, :len(sequence)] = torch.tensor(sequence)
-                attention_mask[k, :len(sequence)] = 1
-                if shared["mask"][i].any():
-                    labels[k, len(prompt):len(sequence)] = torch.tensor(completion)
+            # A prompt's completions sit together (its group, or this process's part of it): one row each run.
+            runs = [(row, len(list(group))) for row, group in itertools.groupby(rows[i] for i in mine)]
+            prompts = self.prompts.select([row for row, _ in runs])["prompt_ids"]
+            prompt_ids, prompt_mask = _right_padded(prompts, self.pad, max(map(len, prompts)))
+            reply_ids, reply_mask = _right_padded([completions[i] for i in mine], self.pad, width)
             where = [shared["positions"][i] for i in mine]  # the rows' places in the window's global order
-            batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
-                     "labels": labels.to(device), "advantages": advantages[where].to(device, torch.float32)}
+            batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "reply_ids": reply_ids,
+                     "reply_mask": reply_mask, "prompt_of": torch.arange(len(runs)).repeat_interleave(
+                         torch.tensor([count for _, count in runs])),
+                     "completion_mask": shared["mask"][list(mine)], "advantages": advantages[where].float()}
+            batch = {name: value.to(device) for name, value in batch.items()}
             self._add_log_probs(model, batch)
             units = int(shared["units"][where].sum())
-            made.append((batch, PlannedBatch(list(share), len(sequences), units, scale, share.window,
-                                             real_tokens=int(attention_mask.sum()))))
+            tokens = (int(prompt_mask.sum() + reply_mask.sum()), prompt_ids.numel() + reply_ids.numel())
+            made.append((batch, PlannedBatch(list(share), len(mine), units, scale, share.window, tokens=tokens)))
         return made
 
     def _add_log_probs(self, model, batch: dict) -> None:
@@ -598,20 +603,20 @@ class Rollouts:
             training = model.training
             model.eval()
             with torch.no_grad():
-                batch["old_log_probs"] = label_log_probs(model, dict(batch), temperature=self.args.temperature)[0]
+                batch["old_log_probs"] = reply_log_probs(model, batch, temperature=self.args.temperature)
             model.train(training)
         if self.args.beta:
-            with torch.no_grad(), self.reference.model(model, batch["input_ids"].device) as reference:
-                batch["ref_log_probs"] = label_log_probs(reference, dict(batch), temperature=self.args.temperature)[0]
+            with torch.no_grad(), self.reference.model(model, batch["reply_ids"].device) as reference:
+                batch["ref_log_probs"] = reply_log_probs(reference, batch, temperature=self.args.temperature)
 
     def loss(self, model, batch: dict) -> torch.Tensor:
         """A rollout micro-batch's policy loss, summed over its loss units; notes its clipping and KL figures."""
-        advantages, old, reference = batch.pop("advantages"), batch.pop("old_log_probs", None), batch.pop(
-            "ref_log_probs", None)
-        log_probs, labels = label_log_probs(model, batch, temperature=self.args.temperature)
-        loss, figures = policy_loss(log_probs, advantages, labels != IGNORE, loss_type=self.args.loss_type,
+        log_probs = reply_log_probs(model, batch, temperature=self.args.temperature)
+        loss, figures = policy_loss(log_probs, batch["advantages"], batch["completion_mask"].bool(),
+                                    loss_type=self.args.loss_type,
                                     epsilon=self.args.epsilon, epsilon_high=self.args.epsilon_high,
-                                    old_log_probs=old, ref_log_probs=reference, beta=self.args.beta)
+                                    old_log_probs=batch.get("old_log_probs"), ref_log_probs=batch.get("ref_log_probs"),
+                                    beta=self.args.beta)
         self._loss_figures += torch.stack([figures["clipped_low"], figures["clipped_high"],
                                            figures.get("kl", torch.zeros(())), figures["tokens"]]).double().cpu()
         return loss
