@@ -1,11 +1,11 @@
-"""What the recipes are measured against: hand-written PyTorch loops, transformers' Trainer and TRL's SFTTrainer
-and DPOTrainer.
+"""What the recipes are measured against: hand-written PyTorch loops, transformers' Trainer and TRL's SFTTrainer,
+DPOTrainer and GRPOTrainer.
 
     python bench/baselines.py KIND DATA_FILE OUT_DIR [--seed N] [--per_device_train_batch_size N] [--eval_file F]
     (KIND: loop_random, loop_same_optimizer, trainer_default, trainer_grouped, trainer_ner, loop_sft,
-    trl_padding_free, trl_default, trl_memory, loop_dpo, trl_dpo, trl_dpo_default or trl_dpo_memory; the batch
-    size is the chat and preference baselines' only, their recipe's by default; the memory kinds evaluate on
-    --eval_file)
+    trl_padding_free, trl_default, trl_memory, loop_dpo, trl_dpo, trl_dpo_default, trl_dpo_memory or trl_grpo;
+    the batch size is the chat and preference baselines' only, their recipe's by default; the memory kinds
+    evaluate on --eval_file)
 
 The classification baselines train the same model on the same CSV for one epoch with the recipe's defaults:
 per-device batch 32, learning rate 1e-4, sequences cut at 128 tokens, each batch padded to its own longest row.
@@ -300,11 +300,48 @@ def trl_dpo(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
     trainer.train()
 
 
+def trl_grpo(train_jsonl: str, output_dir: str) -> None:
+    """TRL's GRPOTrainer on the GRPO recipe's work: the same model, prompts, routing reward (TRL passes the
+    ``team`` column to it), completions per step and per prompt, completion length, sampling temperature and
+    top_p, loss type, reward scaling, clipping, LoRA settings with dropout off, learning rate, weight decay and
+    logging interval, beta 0, one epoch, generation by transformers (``use_vllm=False``), float32 on a CPU,
+    activation checkpointing off as the recipe runs, no evaluation. Its sampling (``_generate``) and scoring
+    (``_calculate_rewards``) are timed as the recipe's are."""
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from finetune.data.embedded.support_chats import routing_reward
+    from finetune.models.loading import default_chat_model_path
+
+    recipe = recipe_module("grpo")
+    defaults, options = recipe.DEFAULTS, recipe.GRPOArguments(reward_funcs=[recipe.DEFAULT_REWARD])
+    args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=defaults["per_device_train_batch_size"],
+                      num_generations=defaults["num_generations"],
+                      max_completion_length=defaults["max_completion_length"], temperature=options.temperature,
+                      top_p=options.top_p, loss_type=options.loss_type, scale_rewards=options.scale_rewards,
+                      epsilon=options.epsilon, beta=0.0, learning_rate=defaults["learning_rate"],
+                      weight_decay=RECIPE.weight_decay, num_train_epochs=1, seed=SEED, bf16=torch.cuda.is_available(),
+                      gradient_checkpointing=False, save_strategy="no", report_to="none",
+                      logging_steps=defaults["logging_steps"])
+    lora = LoraConfig(r=options.lora_r, lora_alpha=options.lora_alpha, lora_dropout=0.0,
+                      target_modules=options.lora_target_modules, task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=default_chat_model_path(), reward_funcs=routing_reward, args=args,
+                          train_dataset=datasets.load_dataset("json", data_files=train_jsonl, split="train"),
+                          peft_config=lora)
+    probe.time_phase(GRPOTrainer, "_generate", "generation",
+                     lambda args, result: result[1] if args[0].model.training else None)
+    probe.time_phase(GRPOTrainer, "_calculate_rewards", "scoring")
+    trainer.train()
+
+
 def main(kind: str, train_csv: str, output_dir: str, seed: int, chat_batch_size: int | None,
          eval_file: str | None) -> None:
     probe.install()
     if kind == "trainer_ner":
         trainer_ner(output_dir, seed)
+        return
+    if kind == "trl_grpo":
+        trl_grpo(train_csv, output_dir)
         return
     if kind.startswith("trl_dpo"):
         trl_dpo(kind, train_csv, output_dir, chat_batch_size, eval_file)

@@ -78,7 +78,7 @@ def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, g
         evaluation = ["--eval_file", str(eval_csv)] if config.long_chats else []
         return [sys.executable, str(BENCH / "baselines.py"), config.name, str(train_csv), str(output_dir), *shared,
                 *evaluation]
-    if config.recipe in ("classify", "sft", "dpo"):
+    if config.recipe in ("classify", "sft", "dpo", "grpo"):
         recipe_flags = ["--train_file", str(train_csv), "--validation_file", str(eval_csv), "--num_train_epochs",
                         str(config.epochs)]
     else:
@@ -130,10 +130,12 @@ def summarize(config: Config, run: dict, flops: dict, matmul_rate: float, peak: 
     main = next(r for r in reports if r["rank"] == 0)
     steps = main["step_times"]
     batches = [b for r in reports for b in r["batches"]]
-    seconds = steps[-1] - min(b[3] for b in batches)
+    start = min(b[3] for b in batches)
+    seconds = steps[-1] - start
     samples, real_tokens = sum(b[0] for b in batches), sum(b[1] for b in batches)
     useful_flops = flops["per_token"] * real_tokens + flops["per_example"] * samples
     return {
+        **step_split(main.get("phases", []), start, steps[-1], len(steps)),
         "samples_per_second": samples / seconds,
         "tokens_per_second": real_tokens / seconds,
         "samples": samples,
@@ -152,6 +154,19 @@ def summarize(config: Config, run: dict, flops: dict, matmul_rate: float, peak: 
         "wall_seconds": run["wall_seconds"],
         "f1": run["f1"],
     }
+
+
+def step_split(phases: list, start: float, end: float, steps: int) -> dict:
+    """Seconds per optimizer step spent sampling completions, scoring them and on the rest (training), over the
+    measured window; empty where nothing was sampled."""
+    if not phases:
+        return {}
+    spent = {"generation": 0.0, "scoring": 0.0}
+    for phase, began, ended in phases:
+        if began >= start and ended <= end:
+            spent[phase] += ended - began
+    training = end - start - sum(spent.values())
+    return {f"{phase}_seconds_per_step": seconds / steps for phase, seconds in (*spent.items(), ("training", training))}
 
 
 def matmul_rate(device: torch.device) -> float:

@@ -13,7 +13,9 @@ The recipe runs unchanged; the hooks only observe. Every process writes ``rank<R
 - how many gradient all-reduces DDP launched by the end of each optimizer step (a counting comm hook),
 - the process's peak resident memory, and on CUDA the peak of memory allocated on the GPU,
 - the bytes of the weights that train, their gradients and the optimizer's state that this process holds at its
-  first optimizer step (its own shards only, under FSDP).
+  first optimizer step (its own shards only, under FSDP),
+- for reinforcement learning, when each call that samples completions or scores them began and ended; the
+  completions a training call samples are its batch (``time_phase``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ _batches: list[tuple[int, int, int, float]] = []
 _all_reduces = [0]
 _all_reduces_at_step: list[int] = []
 _state_bytes: dict[str, int] = {}
+_phases: list[tuple[str, float, float]] = []
 
 
 def record_batch(batch: dict, num_real: int, rows_per_example: int = 1) -> None:
@@ -51,6 +54,25 @@ def record_batch(batch: dict, num_real: int, rows_per_example: int = 1) -> None:
         _batches.append((num_real, int(real.sum()), int(mask.numel()), time.time()))
     else:
         _batches.append((num_real, int(batch["input_ids"].numel()), int(batch["input_ids"].numel()), time.time()))
+
+
+def time_phase(owner, name: str, phase: str, sampled=None) -> None:
+    """Time every call of ``owner.name`` as ``phase``. ``sampled(args, result)`` gives the completions (token id
+    lists) a call sampled for training, None for others (evaluation's): they are counted as a batch that began
+    when the call did, each completion an example and its tokens real ones."""
+    original = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        start = time.time()
+        result = original(*args, **kwargs)
+        _phases.append((phase, start, time.time()))
+        completions = sampled(args, result) if sampled else None
+        if completions is not None:
+            tokens = sum(map(len, completions))
+            _batches.append((len(completions), tokens, tokens, start))
+        return result
+
+    setattr(owner, name, timed)
 
 
 def _held_bytes(tensor) -> int:
@@ -106,6 +128,7 @@ def _write_report() -> None:
         "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if _cuda_events else float("nan"),
         "threads": torch.get_num_threads(),
         "state_bytes": _state_bytes,
+        "phases": _phases,
     }
     path = os.path.join(os.environ["BENCH_REPORT_DIR"], f"rank{report['rank']}.json")
     with open(path, "w") as f:
@@ -157,9 +180,18 @@ def _count_recipe_batches() -> None:
     PairCollator.__call__ = counting(PairCollator.__call__, rows_per_example=2)
 
 
+def _time_recipe_rollouts() -> None:
+    """The GRPO recipe's sampling (its training completions: the model is in training mode) and scoring."""
+    from finetune.tasks import grpo
+
+    time_phase(grpo, "sample_completions", "generation", lambda args, result: result if args[0].training else None)
+    time_phase(grpo, "score_replies", "scoring")
+
+
 if __name__ == "__main__":
     install()
     _count_recipe_batches()
+    _time_recipe_rollouts()
     script, sys.argv = sys.argv[1], sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

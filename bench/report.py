@@ -16,6 +16,9 @@ import torch
 from harness import Machine, Measurements, Settings
 from suites import LATEST, SUITES, Suite
 
+STEP_SPLIT = ("generation_seconds_per_step", "scoring_seconds_per_step", "training_seconds_per_step")
+"""Where a reinforcement-learning step's time goes (``harness.step_split``)."""
+
 
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
@@ -69,6 +72,7 @@ def collect(suite: Suite, settings: Settings, machine: Machine, measured: Measur
             "peak_rss_mib_per_process": [max(f["peak_rss_mib"][rank] for f in figures)
                                          for rank in range(config.processes)],
             "optimizer_steps": figures[0]["optimizer_steps"],
+            **{measure: spread([f[measure] for f in figures]) for measure in STEP_SPLIT if measure in figures[0]},
             "eval_f1": spread([f["f1"] for f in figures]) if figures[0]["f1"] is not None else None,
             "runs": figures,
         }
@@ -177,6 +181,13 @@ def markdown(results: dict) -> str:
         )
     for name, why in results["skipped"].items():
         lines.append(f"| {name} | not run: {why} | | | | | | | | | | | | |")
+    split = {name: c for name, c in results["configs"].items() if STEP_SPLIT[0] in c}
+    if split:
+        lines += ["", "Seconds per optimizer step, median (min-max): sampling the completions, scoring them, and the "
+                      "rest (training on them).", "", "| configuration | generation | scoring | training |",
+                  "|---|---|---|---|"]
+        lines += [f"| {name} | " + " | ".join(cell(c[measure], 2) for measure in STEP_SPLIT) + " |"
+                  for name, c in split.items()]
     return "\n".join(lines) + "\n"
 
 

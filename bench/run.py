@@ -5,6 +5,7 @@
     python bench/run.py --suite token_classify   # ~9 minutes -> bench/results/token-classify.*
     python bench/run.py --suite sft              # ~16 minutes -> bench/results/sft.*  (needs pip install -e ".[bench]")
     python bench/run.py --suite dpo              # ~35 minutes -> bench/results/dpo.*  (needs pip install -e ".[bench]")
+    python bench/run.py --suite grpo             # ~25 minutes -> bench/results/grpo.* (needs pip install -e ".[bench]")
 
 Each suite writes a JSON file with every run's raw figures, a Markdown table and a PNG chart of throughput per
 configuration (median, min-max bars). ``latest.json`` also carries every other suite's ratios, read from their
@@ -30,6 +31,12 @@ The dpo suite trains the preference recipe on the first 32 embedded pairs for on
 and live reference pair), batch 8, against TRL's DPOTrainer and a hand-written loop over the recipe's batches, all
 with the recipe's LoRA settings, learning rate, beta and length limit, LoRA dropout off and a live reference (the
 adapters switched off) unless named; its ratios are of pairs per second, the per-token ones beside them.
+
+The grpo suite trains the GRPO recipe with its defaults (16 completions a step, groups of 4, at most 16 tokens
+each) on the first 32 embedded prompts for one epoch (8 steps) against TRL's GRPOTrainer generating with
+transformers, both with the routing reward, LoRA dropout off and beta 0. Its ratio is of completions per second
+over whole steps (sampling, scoring and training, from the first step's sampling to the last optimizer step); the
+table splits each side's step into the three.
 
 On a CUDA machine the same command uses the GPU (bf16 autocast, NCCL for the 2-process configurations
 when there are 2 GPUs) and writes ``*-cuda.{json,md,png}``.
@@ -66,7 +73,7 @@ def main() -> None:
                              "against the same checkpoints not pushed (about 5 minutes); token_classify: the "
                              "tagging recipe against Trainer run the run_ner.py way, speed and F1; sft: the chat "
                              "recipe, packed and padded, against TRL's SFTTrainer; dpo: the preference recipe "
-                             "against TRL's DPOTrainer.")
+                             "against TRL's DPOTrainer; grpo: the GRPO recipe against TRL's GRPOTrainer.")
     args = parser.parse_args()
     suite = SUITES[args.suite]
     if args.repeats < 1:

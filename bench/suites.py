@@ -123,6 +123,21 @@ def write_pair_data(folder: Path, train_examples: int, eval_examples: int) -> tu
     return paths[0], paths[1]
 
 
+def write_prompt_data(folder: Path, train_examples: int, eval_examples: int) -> tuple[Path, Path]:
+    """The GRPO recipe's embedded prompts (system and user messages) with each ticket's ``team``, which the
+    routing reward reads, as jsonl files both sides read: the first ``train_examples`` of its 160 training prompts
+    and the first ``eval_examples`` validation prompts."""
+    from finetune.data.embedded.support_chats import make_support_prompts
+
+    prompts = make_support_prompts()
+    paths = []
+    for split, count in (("train", train_examples), ("validation", eval_examples)):
+        path = folder / f"{split}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in prompts[split].select(range(count)).to_list()))
+        paths.append(path)
+    return paths[0], paths[1]
+
+
 LONG_CHAT_TOKENS, LONG_CHAT_TRAIN, LONG_CHAT_EVAL = 512, 8, 8
 """The memory comparison: one training step at batch 8, then one evaluation batch of 8, every row 512 tokens.
 One step: a second adds what the C allocator keeps of the first step's freed memory (0.5 to 3 GB more resident
@@ -377,4 +392,27 @@ DPO = Suite(
     flops=partial(chat_flops, live_reference=True),
     takes_batch_size=True,
 )
-SUITES = {suite.name: suite for suite in (CLASSIFY, HUB_PUSH, TOKEN_CLASSIFY, SFT, DPO)}
+GRPO_FLAGS = ["--lora_dropout", "0", "--reward_funcs",
+              f"{REPO / 'finetune' / 'data' / 'embedded' / 'support_chats.py'}:routing_reward"]
+"""The recipe's defaults (a step: 16 completions, groups of 4, 16 tokens at most, temperature 1) with LoRA's
+dropout off, as on TRL's side, and the routing reward named by its file (the recipe keeps its module name for the
+embedded prompts)."""
+GRPO = Suite(
+    "grpo",
+    results_file="grpo",
+    configs=[
+        Config("grpo_recipe", "grpo.py, accelerate launch, its defaults (LoRA dropout off)", "accelerate",
+               recipe="grpo", recipe_flags=GRPO_FLAGS),
+        Config("trl_grpo", "TRL GRPOTrainer, use_vllm=False (transformers' generate), activation checkpointing off",
+               "python", recipe="grpo"),
+    ],
+    # Both sides sample as many completions of the same prompts: completions per second over whole steps, from the
+    # first step's sampling to the last optimizer step (the "samples" of these runs are completions).
+    ratios={"grpo_vs_trl": Ratio("grpo_recipe", "trl_grpo", 1.3)},
+    memory_ratios={"grpo_peak_memory_vs_trl": Ratio("grpo_recipe", "trl_grpo", 1.0)},
+    write_data=write_prompt_data,
+    train_examples=32,
+    eval_examples=8,
+    flops=lambda: {"per_token": float("nan"), "per_example": float("nan")},
+)
+SUITES = {suite.name: suite for suite in (CLASSIFY, HUB_PUSH, TOKEN_CLASSIFY, SFT, DPO, GRPO)}
