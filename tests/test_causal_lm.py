@@ -142,14 +142,7 @@ def test_a_prompt_run_once_for_its_replies_scores_them_as_whole_rows_do(config_c
     prompts = [tokens(n) for n in (9, 3, 14, 6)]
     replies = [[tokens(a), tokens(b), tokens(c)] for a, b, c in ((4, 1, 7), (10, 2, 2), (1, 1, 5), (3, 8, 6))]
     rows = [(prompt, reply) for prompt, options in zip(prompts, replies, strict=True) for reply in options]
-    width = max(len(p) + len(r) for p, r in rows)
-    batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
-             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
-             "labels": torch.full((len(rows), width), IGNORE)}
-    for i, (prompt, reply) in enumerate(rows):
-        batch["input_ids"][i, :len(prompt) + len(reply)] = torch.tensor(prompt + reply)
-        batch["attention_mask"][i, :len(prompt) + len(reply)] = 1
-        batch["labels"][i, len(prompt):len(prompt) + len(reply)] = torch.tensor(reply)
+    batch = whole_rows_batch(rows)
     prompt_ids, prompt_mask = right_padded(prompts)
     reply_ids, reply_mask = right_padded([reply for options in replies for reply in options])
     shared = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "reply_ids": reply_ids, "reply_mask": reply_mask}
@@ -176,14 +169,7 @@ def test_replies_trained_from_their_prompt_s_shared_pass_get_the_whole_rows_log_
     replies = [[tokens(n) for n in lengths] for lengths in ((4, 1, 7), (2,), (1, 5), (3, 6, 6))]
     prompt_of = torch.tensor([p for p, options in enumerate(replies) for _ in options])
     rows = [(prompts[p], reply) for p, options in enumerate(replies) for reply in options]
-    width = max(len(p) + len(r) for p, r in rows)
-    whole = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
-             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
-             "labels": torch.full((len(rows), width), IGNORE)}
-    for i, (prompt, reply) in enumerate(rows):
-        whole["input_ids"][i, :len(prompt) + len(reply)] = torch.tensor(prompt + reply)
-        whole["attention_mask"][i, :len(prompt) + len(reply)] = 1
-        whole["labels"][i, len(prompt):len(prompt) + len(reply)] = torch.tensor(reply)
+    whole = whole_rows_batch(rows)
     weights = torch.rand(len(rows), 7, generator=generator) - 0.5
 
     expected_rows, labels = label_log_probs(model, dict(whole), temperature=0.7)
@@ -208,6 +194,19 @@ def test_replies_trained_from_their_prompt_s_shared_pass_get_the_whole_rows_log_
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6,
                                    msg=lambda message, name=name: f"{name}: {message}")
+
+
+def whole_rows_batch(rows: list[tuple[list[int], list[int]]]) -> dict:
+    """Right-padded prompt + reply rows, only the replies labelled: what a shared prompt pass must equal."""
+    width = max(len(p) + len(r) for p, r in rows)
+    batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
+             "labels": torch.full((len(rows), width), IGNORE)}
+    for i, (prompt, reply) in enumerate(rows):
+        batch["input_ids"][i, :len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+        batch["attention_mask"][i, :len(prompt) + len(reply)] = 1
+        batch["labels"][i, len(prompt):len(prompt) + len(reply)] = torch.tensor(reply)
+    return batch
 
 
 def right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
