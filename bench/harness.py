@@ -27,6 +27,9 @@ from suites import HUB_TOKEN, Config, Suite
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 
+STEP_SPLIT = ("generation_seconds_per_step", "scoring_seconds_per_step", "training_seconds_per_step")
+"""Where a reinforcement-learning step's time goes (``step_split``)."""
+
 GPU_BF16_PEAK = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 """Dense bf16 FLOP/s from NVIDIA's data sheets (SXM parts unless named), by a part of the device name."""
 
@@ -166,7 +169,7 @@ def step_split(phases: list, start: float, end: float, steps: int) -> dict:
         if began >= start and ended <= end:
             spent[phase] += ended - began
     training = end - start - sum(spent.values())
-    return {f"{phase}_seconds_per_step": seconds / steps for phase, seconds in (*spent.items(), ("training", training))}
+    return dict(zip(STEP_SPLIT, (spent["generation"] / steps, spent["scoring"] / steps, training / steps), strict=True))
 
 
 def matmul_rate(device: torch.device) -> float:

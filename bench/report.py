@@ -13,11 +13,8 @@ import sys
 from pathlib import Path
 
 import torch
-from harness import Machine, Measurements, Settings
+from harness import STEP_SPLIT, Machine, Measurements, Settings
 from suites import LATEST, SUITES, Suite
-
-STEP_SPLIT = ("generation_seconds_per_step", "scoring_seconds_per_step", "training_seconds_per_step")
-"""Where a reinforcement-learning step's time goes (``harness.step_split``)."""
 
 
 def spread(values: list[float]) -> dict:
