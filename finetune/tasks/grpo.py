@@ -463,7 +463,7 @@ class Rollouts:
             micro_batches = self._roll_out(model, one_pass, epoch, device)
             if self.args.num_iterations > 1:
                 self._keep(key, micro_batches)
-        return [(dict(batch), planned) for _ in range(passes) for batch, planned in micro_batches]
+        return [(batch, planned) for _ in range(passes) for batch, planned in micro_batches]
 
     def _roll_out(self, model, one_pass: list[tuple[dict, PlannedBatch]], epoch: int, device: torch.device
                   ) -> list[tuple[dict, PlannedBatch]]:
