@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import HUB_READ_ONLY_TOKEN, HUB_TOKEN, launch_cmd, parity_flags, run, save_tiny_bert, write_csv
+from helpers import launch_cmd, parity_flags, run, save_tiny_bert, serving_hub, write_csv
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -37,14 +37,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def hub(tmp_path):
-    """A Hub-compatible server on loopback (tests/hub_server.py) where alice's tokens work; ``hub.env`` points
-    the huggingface_hub client of a launched run at it."""
-    from hub_server import HubServer
-
-    with HubServer(tokens={HUB_TOKEN: "alice", HUB_READ_ONLY_TOKEN: "alice"},
-                   read_only_tokens=frozenset({HUB_READ_ONLY_TOKEN})) as server:
-        server.env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(tmp_path / "hub-cache"),
-                      "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": ""}
+    """A loopback Hub for one test (``helpers.serving_hub``)."""
+    with serving_hub(tmp_path / "hub-cache") as server:
         yield server
 
 

@@ -38,6 +38,19 @@ HUB_TOKEN = "hf_secretTokenValue123456"
 HUB_READ_ONLY_TOKEN = "hf_readOnlyToken987654"
 
 
+
+@contextlib.contextmanager
+def serving_hub(cache: Path):
+    """A Hub-compatible server on loopback (tests/hub_server.py) where alice's tokens work; ``server.env`` points
+    the huggingface_hub client of a launched run at it, with its cache in ``cache``."""
+    from hub_server import HubServer
+
+    with HubServer(tokens={HUB_TOKEN: "alice", HUB_READ_ONLY_TOKEN: "alice"},
+                   read_only_tokens=frozenset({HUB_READ_ONLY_TOKEN})) as server:
+        server.env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(cache),
+                      "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN": ""}
+        yield server
+
 def recipe_path(name: str = "classify") -> str:
     return str(REPO / "recipes" / f"{name}.py")
 

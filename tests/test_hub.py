@@ -25,6 +25,7 @@ from helpers import (
     read_results,
     read_weights,
     run,
+    serving_hub,
     torchrun_cmd,
     wait_for,
 )
@@ -63,21 +64,31 @@ def plant_what_must_not_be_pushed(tmp_path: Path, out: Path) -> None:
     (out / "dataset").symlink_to(outside / "dataset")
 
 
+@pytest.fixture(scope="module")
+def every_save_run(small_data, tmp_path_factory):
+    """The run both ``every_save`` tests read, made once: the default model (its card names its base model, and its
+    training lasts long enough for a push to land mid-run) on 2 processes, global batch 2 x 4 = 8, 4 epochs of 6
+    steps, checkpoints at steps 10 and 20, into a folder that holds what must not be pushed. Yields (hub, output
+    folder, the finished run); the hub serves until the module's tests are done."""
+    folder = tmp_path_factory.mktemp("every_save")
+    out = folder / "out"
+    plant_what_must_not_be_pushed(folder, out)
+    args = push_flags(small_data, None, out, "alice/support-classifier", TOKEN, "--hub_strategy", "every_save",
+                      "--checkpointing_steps", "10", "--num_train_epochs", "4", "--overwrite_output_dir")
+    args[args.index("--per_device_train_batch_size") + 1] = "4"
+    with serving_hub(folder / "hub-cache") as hub:
+        result = run(torchrun_cmd(*args), env=hub.env)
+        yield hub, out, result
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_every_save_pushes_each_checkpoint_and_then_only_what_the_run_saved_from_rank_0(hub, small_data, tmp_path):
-    """The default model, whose card names its base model."""
-    out = tmp_path / "out"
-    plant_what_must_not_be_pushed(tmp_path, out)
-    # 42 examples, global batch 2 x 4 = 8: 6 steps; checkpoints at steps 3 and 6.
-    args = push_flags(small_data, None, out, "alice/support-classifier", TOKEN, "--hub_strategy", "every_save",
-                      "--checkpointing_steps", "3", "--overwrite_output_dir")
-    args[args.index("--per_device_train_batch_size") + 1] = "4"
-    result = run(torchrun_cmd(*args), env=hub.env)
-
+def test_every_save_pushes_each_checkpoint_and_then_only_what_the_run_saved_from_rank_0(every_save_run, small_data,
+                                                                                      tmp_path):
+    hub, out, result = every_save_run
     commits = hub.commits("alice/support-classifier")
-    assert [c["summary"] for c in commits] == ["Training in progress, step 3", "Training in progress, step 6",
-                                               "Final model, step 6"]
+    assert [c["summary"] for c in commits] == ["Training in progress, step 10", "Training in progress, step 20",
+                                               "Final model, step 24"]
     results = read_results(out)
     assert (results["runtime"], results["world_size"]) == ("ddp", 2)
     assert [p["commit_id"] for p in results["hub_pushes"]] == [c["sha"] for c in commits]
@@ -131,15 +142,10 @@ def test_checkpoint_strategy_resumes_from_the_hub_to_the_uninterrupted_weights(h
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_pushes_land_while_training_keeps_every_core_busy(hub, small_data, tmp_path):
-    """2 processes on the 2 cores, checkpoints at steps 10 and 20 of 24: the first lands before the end (the
-    default model, whose training lasts long enough for that to mean something)."""
-    out = tmp_path / "out"
-    args = push_flags(small_data, None, out, "alice/busy", TOKEN, "--hub_strategy", "every_save",
-                      "--checkpointing_steps", "10", "--num_train_epochs", "4")
-    args[args.index("--per_device_train_batch_size") + 1] = "4"
-    result = run(torchrun_cmd(*args), env=hub.env)
-    commits = {c["summary"]: c["time"] for c in hub.commits("alice/busy")}
+def test_pushes_land_while_training_keeps_every_core_busy(every_save_run):
+    """2 processes on the 2 cores, checkpoints at steps 10 and 20 of 24: the first lands before the end."""
+    hub, out, result = every_save_run
+    commits = {c["summary"]: c["time"] for c in hub.commits("alice/support-classifier")}
     assert list(commits) == ["Training in progress, step 10", "Training in progress, step 20", "Final model, step 24"]
     assert commits["Training in progress, step 10"] < (out / "model.safetensors").stat().st_mtime
     # Each push's delay is from its files being complete (a checkpoint's manifest is written last) to its commit.
