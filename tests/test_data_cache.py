@@ -97,6 +97,23 @@ def test_another_tokenizer_builds_another_cache(small_data, tiny_bert, tmp_path)
         classify([*data_flags(small_data), "--model_name_or_path", str(tiny_bert)]))
 
 
+def test_a_tokenizer_after_a_truncating_and_padding_call_finds_the_same_cache(small_data, tiny_bert):
+    """A fast tokenizer's saved file holds its last call's truncation and padding: the key leaves them out, and
+    the tokenizer keeps them."""
+    from transformers import AutoTokenizer
+
+    from finetune.data.cache import _tokenizer_digest
+
+    fresh, called = (AutoTokenizer.from_pretrained(tiny_bert) for _ in range(2))
+    called(["a ticket", "a longer ticket about a refund"], truncation=True, max_length=5, padding="max_length")
+    settings = (called.backend_tokenizer.truncation, called.backend_tokenizer.padding)
+    assert settings[0]["max_length"] == 5 and settings[1]["length"] == 5
+    assert _tokenizer_digest(called) == _tokenizer_digest(fresh)
+    assert (called.backend_tokenizer.truncation, called.backend_tokenizer.padding) == settings
+    fresh.add_tokens(["refundable"])
+    assert _tokenizer_digest(fresh) != _tokenizer_digest(called)
+
+
 def test_another_chat_template_builds_another_cache(tmp_path):
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"

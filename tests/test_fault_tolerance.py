@@ -110,18 +110,13 @@ def kill_rank_after(job: subprocess.Popen, checkpoint, rank: int = 1) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
-def test_a_killed_worker_is_restarted_and_the_job_finishes_as_if_never_killed(
-    parity_runs, small_data, tiny_bert_without_dropout, tmp_path, launcher
-):
+def test_a_killed_worker_is_restarted_by_accelerate_and_the_job_finishes_as_if_never_killed(
+        parity_runs, small_data, tiny_bert_without_dropout, tmp_path):
+    """torchrun's restart (--max-restarts) of a killed worker is checked by
+    test_a_restart_after_an_explicit_resume_continues_from_the_newest_checkpoint."""
     out = tmp_path / "out"
-    flags = [*parity_flags(small_data, tiny_bert_without_dropout, 4), "--output_dir", str(out)]
-    if launcher == "torchrun":
-        command = torchrun_cmd(*flags)
-        command.insert(command.index("--nproc_per_node"), "--max-restarts=1")
-    else:
-        command = accelerate_cmd(*flags)
-        command.insert(command.index("--config_file"), "--max_restarts=1")
+    command = accelerate_cmd(*parity_flags(small_data, tiny_bert_without_dropout, 4), "--output_dir", str(out))
+    command.insert(command.index("--config_file"), "--max_restarts=1")
     job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # Checkpoints every 4 of 9 steps: kill rank 1 once the first is complete, with 5 steps still to go, so
     # a restart that skipped steps or lost the optimizer's state would end elsewhere.
@@ -130,7 +125,7 @@ def test_a_killed_worker_is_restarted_and_the_job_finishes_as_if_never_killed(
     assert job.returncode == 0, output[-4000:]
     assert "resumed from" in output and "step_4 at step 4" in output
     assert read_results(out)["global_step"] == 9
-    assert_weights_match_a_parity_run(parity_runs(launcher, 2, 4), out)
+    assert_weights_match_a_parity_run(parity_runs("accelerate", 2, 4), out)
 
 
 @pytest.mark.multiprocess
@@ -219,8 +214,8 @@ def test_a_restart_before_overwrite_output_dir_acts_never_resumes_the_run_being_
 @pytest.mark.slow
 def test_a_restart_after_an_explicit_resume_continues_from_the_newest_checkpoint(
         parity_runs, small_data, tiny_bert_without_dropout, tmp_path):
-    """Resumed from another folder's step_4, killed after its own step_8 (of 9): the restart continues from step_8,
-    not from step_4 again, and ends as the run never stopped."""
+    """Resumed from another folder's step_4, rank 1 killed after its own step_8 (of 9): torchrun restarts the
+    workers, which continue from step_8, not from step_4 again, and end as the run never stopped."""
     start = tmp_path / "start"
     shutil.copytree(parity_runs("torchrun", 2, 4) / "checkpoints" / "step_4", start)
     out = tmp_path / "out"

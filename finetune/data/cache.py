@@ -358,14 +358,32 @@ def _open(folder: Path) -> PreparedData:
 def _tokenizer_digest(tokenizer) -> str:
     """A hash of the tokenizer's files as it would save them: vocabulary, merges, special tokens, chat template."""
     digest = hashlib.sha256()
-    with tempfile.TemporaryDirectory() as saved:
+    with tempfile.TemporaryDirectory() as saved, _without_call_settings(tokenizer):
         tokenizer.save_pretrained(saved)
         for path in sorted(Path(saved).iterdir()):
-            content = path.read_bytes()
-            if path.name == "tokenizer.json":  # it also holds the last call's truncation and padding: not the tokenizer
-                content = json.dumps({**json.loads(content), "truncation": None, "padding": None}).encode()
-            digest.update(path.name.encode() + b"\0" + content + b"\0")
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _without_call_settings(tokenizer) -> Iterator[None]:
+    """A fast tokenizer's ``tokenizer.json`` also holds the last call's truncation and padding, which are not the
+    tokenizer: they are off while it is saved and set back after (rewriting the saved JSON took seconds for a
+    262k vocabulary)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        yield
+        return
+    truncation, padding = backend.truncation, backend.padding
+    backend.no_truncation()
+    backend.no_padding()
+    try:
+        yield
+    finally:
+        if truncation:
+            backend.enable_truncation(**truncation)
+        if padding:
+            backend.enable_padding(**padding)
 
 
 def _code_digest(task) -> str:
