@@ -262,8 +262,9 @@ class Epochs:
         self.guard.step_done()
         if step % cfg.logging_steps == 0 or step >= self.max_steps:
             self.guard.check_finite()
-            logs = {**self.meter.interval(), **getattr(self.task, "interval_logs", dict)(),
-                    "learning_rate": self.scheduler.get_last_lr()[0], "epoch": epoch}
+            task_logs = getattr(self.task, "interval_logs", dict)()  # its timings end before the interval does
+            logs = {**self.meter.interval(), **task_logs, "learning_rate": self.scheduler.get_last_lr()[0],
+                    "epoch": epoch}
             if self.grad_norm is not None:
                 logs["grad_norm"] = float(self.grad_norm)
             _log_interval(self.runtime, cfg.output_dir, logs, step)

@@ -396,6 +396,16 @@ def test_a_reward_function_that_kills_its_worker_is_counted_and_training_goes_on
     assert all(value == 0.5 or math.isnan(value) for value in scored) and 0.5 in scored
 
 
+def test_each_step_splits_its_time_into_sampling_scoring_and_training(tiny_chat_model, rewards, tmp_path):
+    out = tmp_path / "out"
+    run_on("grpo", tiny_chat_model, [], out, *FLAGS, "--reward_funcs", f"{rewards}:distinct", "--max_train_steps",
+           "3", "--per_device_train_batch_size", "8")
+    for step in log_history(out):
+        parts = [step[name] for name in ("generation_seconds", "reward_seconds", "training_seconds")]
+        wall = 8 / step["samples_per_second"]  # the step's 8 completions over the seconds since the last log
+        assert all(part > 0 for part in parts) and sum(parts) <= wall, (step["step"], parts, wall)
+
+
 def run_on_refused(model, out, *flags):
     return train_here("grpo", *FLAGS, "--model_name_or_path", str(model), "--output_dir", str(out), *flags,
                       check=False)

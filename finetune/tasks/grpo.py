@@ -450,6 +450,7 @@ class Rollouts:
         self.scored_everywhere = 0
         self._rollout_figures: list[dict[str, float]] = []
         self._loss_figures = torch.zeros(4, dtype=torch.float64)
+        self._training_since: float | None = None  # when the last rollout was handed to training
 
     def __call__(self, model, window: list[tuple[dict, PlannedBatch]], epoch: int) -> list[tuple[dict, PlannedBatch]]:
         """The window's micro-batches, for each of its ``num_iterations`` passes (or those a resumed run has left),
@@ -458,12 +459,20 @@ class Rollouts:
         passes = len(window) // self.accumulation_steps
         key = [epoch, one_pass[0][1].window, self.world_size, self.seed]
         device = next(model.parameters()).device
+        self._stop_training_clock()
         micro_batches = self._kept_rollout(key, device) if passes < self.args.num_iterations else None
         if micro_batches is None:
             micro_batches = self._roll_out(model, one_pass, epoch, device)
             if self.args.num_iterations > 1:
                 self._keep(key, micro_batches)
+            self._training_since = time.perf_counter()
         return [(batch, planned) for _ in range(passes) for batch, planned in micro_batches]
+
+    def _stop_training_clock(self) -> None:
+        """The last rollout's ``training_seconds``: from its scoring to now (the next rollout, or its log)."""
+        if self._training_since is not None:
+            self._rollout_figures[-1]["training_seconds"] = time.perf_counter() - self._training_since
+            self._training_since = None
 
     def _roll_out(self, model, one_pass: list[tuple[dict, PlannedBatch]], epoch: int, device: torch.device
                   ) -> list[tuple[dict, PlannedBatch]]:
@@ -638,6 +647,7 @@ class Rollouts:
         """The rollouts' figures since the last call, averaged (``completions/max_length``: the longest), the share
         of completion tokens whose ratio was clipped, the KL term with ``beta``, and each function's failures so
         far. Every process must call it (the clipping is summed over them)."""
+        self._stop_training_clock()
         logs = {}
         for name in self._rollout_figures[0] if self._rollout_figures else ():
             values = [f[name] for f in self._rollout_figures]
