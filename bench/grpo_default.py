@@ -70,8 +70,9 @@ def prompts(question: str) -> dict:
 
 
 def sampled_routing(question: str, count: int = 32, samples: int = 4) -> dict:
-    """The share of the base model's replies, sampled as the recipe samples (temperature 1, 16 tokens), whose
-    first line names a team (and the ticket's team), over the first ``count`` training prompts."""
+    """The share of the base model's replies, sampled with transformers' ``generate`` at the recipe's settings
+    (temperature 1, top_p 1, 16 tokens), whose first line names a team (and the ticket's team), over the first
+    ``count`` training prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.data.embedded.support_chats import routed_team

@@ -97,7 +97,7 @@ def test_another_tokenizer_builds_another_cache(small_data, tiny_bert, tmp_path)
         classify([*data_flags(small_data), "--model_name_or_path", str(tiny_bert)]))
 
 
-def test_a_tokenizer_after_a_truncating_and_padding_call_finds_the_same_cache(small_data, tiny_bert):
+def test_a_tokenizer_after_a_truncating_and_padding_call_finds_the_same_cache(tiny_bert):
     """A fast tokenizer's saved file holds its last call's truncation and padding: the key leaves them out, and
     the tokenizer keeps them."""
     from transformers import AutoTokenizer
