@@ -66,7 +66,7 @@ MAX_LENGTH, SEED = RECIPE.max_seq_length, RECIPE.seed
 
 class CountingCollator:
     """Builds batches with ``collate`` and tells the probe what each batch held: ``rows_per_example`` is 2 for
-    preference pairs (every chosen row, then every rejected row)."""
+    preference pairs (``probe.record_batch``)."""
 
     def __init__(self, collate, rows_per_example: int = 1):
         self.collate = collate
@@ -158,8 +158,9 @@ def loop_sft(train_jsonl: str, batch_size: int | None, device, bf16) -> None:
 def loop_dpo(train_jsonl: str, batch_size: int | None, device, bf16) -> None:
     """The preference recipe's tokenized pairs, length-grouped batches, pair collator and LoRA model (dropout off),
     trained by a hand-written loop with the recipe's optimizer and learning rate on DPO's loss: the replies'
-    log-probabilities summed by the recipe's library (``pair_log_probs``), the reference's with the adapters
-    switched off, the mean over the batch's pairs of -log sigmoid(beta x (policy - reference) margin)."""
+    log-probabilities summed by the recipe's library (``pair_log_probs``, each prompt run once for both replies),
+    the reference's with the adapters switched off, the mean over the batch's pairs of -log sigmoid(beta x
+    (policy - reference) margin)."""
     from finetune.tasks.preference import pair_log_probs
 
     recipe = recipe_module("dpo")
@@ -171,7 +172,7 @@ def loop_dpo(train_jsonl: str, batch_size: int | None, device, bf16) -> None:
     def dpo_loss(model, batch):
         del batch["index"]
         with torch.no_grad(), model.disable_adapter():
-            reference, _ = pair_log_probs(model, dict(batch))
+            reference, _ = pair_log_probs(model, batch)
         policy, _ = pair_log_probs(model, batch)
         ratios = policy - reference
         return -torch.nn.functional.logsigmoid(beta * (ratios[:, 0] - ratios[:, 1])).mean()

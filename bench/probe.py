@@ -45,10 +45,15 @@ _phases: list[tuple[str, float, float]] = []
 def record_batch(batch: dict, num_real: int, rows_per_example: int = 1) -> None:
     """Count one training batch whose first ``num_real`` examples are real (the rest fillers).
 
-    An example is ``rows_per_example`` rows, each in its own block of the batch (a preference pair: every chosen
-    row, then every rejected row). A batch without an attention mask is packed (padding-free): every token in it
-    is real."""
-    if "attention_mask" in batch:
+    An example is ``rows_per_example`` rows, each in its own block of the batch (TRL's preference pairs: every
+    chosen row, then every rejected row), or, in a batch of prompts run once for their replies (the preference
+    recipe's), one prompt and the ``rows_per_example`` replies after it. A batch without an attention mask is packed
+    (padding-free): every token in it is real."""
+    if "prompt_mask" in batch:
+        prompts, replies = batch["prompt_mask"], batch["reply_mask"]
+        real = prompts[:num_real].sum() + replies[:rows_per_example * num_real].sum()
+        _batches.append((num_real, int(real), int(prompts.numel() + replies.numel()), time.time()))
+    elif "attention_mask" in batch:
         mask = batch["attention_mask"]
         real = mask.view(rows_per_example, -1, mask.shape[-1])[:, :num_real]
         _batches.append((num_real, int(real.sum()), int(mask.numel()), time.time()))
@@ -156,7 +161,7 @@ def _count_recipe_batches() -> None:
     )
 
     from finetune.data.batching import PlannedBatch, TokenizedDataset
-    from finetune.tasks.preference import PairCollator
+    from finetune.tasks.preference import PromptRepliesCollator
 
     planned_real: list[int | None] = [None]
     original_fetch = TokenizedDataset.__getitems__
@@ -177,7 +182,7 @@ def _count_recipe_batches() -> None:
     for collator in (DataCollatorWithPadding, DataCollatorForTokenClassification, DataCollatorForSeq2Seq,
                      DataCollatorWithFlattening):
         collator.__call__ = counting(collator.__call__)
-    PairCollator.__call__ = counting(PairCollator.__call__, rows_per_example=2)
+    PromptRepliesCollator.__call__ = counting(PromptRepliesCollator.__call__, rows_per_example=2)
 
 
 def _time_recipe_rollouts() -> None:

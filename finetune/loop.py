@@ -44,7 +44,7 @@ from finetune.checkpointing.checkpoint import (
 from finetune.checkpointing.guard import CheckpointGuard
 from finetune.checkpointing.preemption import StopSignals
 from finetune.config import TrainConfig
-from finetune.data.batching import GlobalBatchSampler
+from finetune.data.batching import GlobalBatchSampler, padded_tokens
 from finetune.data.cache import load_or_build
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
@@ -251,7 +251,7 @@ class Epochs:
                 self.scheduler.step()
                 self.optimizer.zero_grad()
         if planned.num_real:
-            real, processed = planned.tokens or (int(self.sampler.lengths[planned].sum()), batch["input_ids"].numel())
+            real, processed = planned.tokens or (int(self.sampler.lengths[planned].sum()), padded_tokens(batch))
             self.meter.add(loss, planned.units, planned.num_real, real_tokens=real, processed_tokens=processed,
                            figures=figures)
 

@@ -77,20 +77,20 @@ class DPOTask(causal_lm.ChatTask):
         self.replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
                                              PREFERENCE_PAIRS.score_replies)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        train_set, eval_collate = TokenizedDataset(data.train, COLUMNS), preference.PromptRepliesCollator(pad)
+        train_set, collate = TokenizedDataset(data.train, COLUMNS), preference.PromptRepliesCollator(pad)
         model, self.reference, described = preference.load_policy_and_reference(
-            cfg, args, tokenizer, data.folder, train_set, eval_collate, Path(cfg.output_dir) / REFERENCE_FILE)
+            cfg, args, tokenizer, data.folder, train_set, collate, Path(cfg.output_dir) / REFERENCE_FILE)
         same = data.info["same"] and (f"{data.info['same']} pair(s) whose chosen and rejected replies are the same "
                                       "tokens (they train nothing)")
         summary = ", ".join(filter(None, [f"a pair per example, --loss_type {args.loss_type} --beta {args.beta}",
                                           described, same]))
-        return TaskSetup(train_set, TokenizedDataset(data.validation, COLUMNS), preference.PairCollator(pad), model,
-                         eval_collate=eval_collate, truncated=data.info["cut"], summary=summary)
+        return TaskSetup(train_set, TokenizedDataset(data.validation, COLUMNS), collate, model,
+                         truncated=data.info["cut"], summary=summary)
 
     def preview(self, data, tokenizer, count):
         return preference.preview_pairs(data.train, tokenizer, count)
 
-    def loss(self, model, batch):
+    def loss(self, model, batch):  # each prompt runs once for both replies
         reference = self.reference.training_log_probs(model, batch, batch.pop("index"))
         policy, counts = preference.pair_log_probs(model, batch)
         losses, rewards = preference.dpo_loss(policy, reference, counts, self.args.loss_type, self.args.beta,

@@ -512,3 +512,20 @@ def padded_batch(lengths=(11, 4, 8, 12, 6), prompt=3) -> dict:
     labels = ids.masked_fill(mask == 0, IGNORE)
     labels[:, :prompt] = IGNORE
     return {"input_ids": ids * mask, "attention_mask": mask, "labels": labels}
+
+
+def whole_rows_batch(rows: list[tuple[list[int], list[int]]]) -> dict:
+    """Right-padded prompt + reply rows, only the replies labelled: what a shared prompt pass must equal."""
+    import torch
+
+    from finetune.tasks.chat import IGNORE
+
+    width = max(len(p) + len(r) for p, r in rows)
+    batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
+             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
+             "labels": torch.full((len(rows), width), IGNORE)}
+    for i, (prompt, reply) in enumerate(rows):
+        batch["input_ids"][i, :len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+        batch["attention_mask"][i, :len(prompt) + len(reply)] = 1
+        batch["labels"][i, len(prompt):len(prompt) + len(reply)] = torch.tensor(reply)
+    return batch

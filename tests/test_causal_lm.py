@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import VOCAB, padded_batch, tiny_causal_lm
+from helpers import VOCAB, padded_batch, tiny_causal_lm, whole_rows_batch
 from transformers import CohereConfig, Gemma2Config, GraniteConfig, LlamaConfig
 
 from finetune.errors import UserError
@@ -194,19 +194,6 @@ def test_replies_trained_from_their_prompt_s_shared_pass_get_the_whole_rows_log_
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6,
                                    msg=lambda message, name=name: f"{name}: {message}")
-
-
-def whole_rows_batch(rows: list[tuple[list[int], list[int]]]) -> dict:
-    """Right-padded prompt + reply rows, only the replies labelled: what a shared prompt pass must equal."""
-    width = max(len(p) + len(r) for p, r in rows)
-    batch = {"input_ids": torch.zeros(len(rows), width, dtype=torch.long),
-             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
-             "labels": torch.full((len(rows), width), IGNORE)}
-    for i, (prompt, reply) in enumerate(rows):
-        batch["input_ids"][i, :len(prompt) + len(reply)] = torch.tensor(prompt + reply)
-        batch["attention_mask"][i, :len(prompt) + len(reply)] = 1
-        batch["labels"][i, len(prompt):len(prompt) + len(reply)] = torch.tensor(reply)
-    return batch
 
 
 def right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.data.batching import TokenizedDataset
 from finetune.data.embedded.preference_pairs import make_preference_pairs
-from finetune.tasks.preference import PairCollator, load_causal_lm, pair_log_probs, tokenize_pairs
+from finetune.tasks.preference import PromptRepliesCollator, load_causal_lm, pair_log_probs, tokenize_pairs
 
 METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
            "logps_rejected")
@@ -120,6 +120,13 @@ def test_the_first_step_logs_ln_2_and_zero_rewards_and_a_frozen_copy_is_the_refe
 PARITY_FLAGS = ["--gradient_accumulation_steps", "2", "--num_train_epochs", "2", "--learning_rate", "1e-2"]
 
 
+def within_rounding(metric: str) -> dict:
+    """How far one process and two may differ: batches of other shapes round float32 sums of about -160 by up to
+    1e-6 of them, and a reward is beta (0.1) x the difference of two such sums (a wrong normalisation is off by
+    half or more)."""
+    return {"abs": 1e-4} if metric.startswith("rewards_") else {"rel": 1e-5, "abs": 1e-5}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, pair_files, tmp_path):
@@ -141,13 +148,17 @@ def test_one_process_and_two_train_alike_under_both_launchers(tiny_model, pair_f
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
             for name in METRICS:  # (at step 1 a precomputed reference's rewards are float rounding from 0)
                 if name != "rewards_accuracy" or a["step"] > 1 or launcher == "accelerate":
-                    assert a[name] == pytest.approx(b[name], rel=1e-5, abs=1e-5), (launcher, name, a, b)
+                    assert a[name] == pytest.approx(b[name], **within_rounding(name)), (launcher, name, a, b)
+        # Adam turns the rounding of a near-zero gradient entry into a step of up to the learning rate: a few of
+        # the 32,768 entries differ by up to 1e-3, the rest by about 1e-7. Other pairs or another loss would move
+        # nearly every entry apart, by steps of about 1e-2.
         other = load_file(outs[launcher] / "adapter_model.safetensors")
-        assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-4
+        apart = sum(((other[k] - adapter[k]) ** 2).sum() for k in adapter) ** 0.5
+        assert apart / sum((adapter[k] ** 2).sum() for k in adapter) ** 0.5 < 5e-4
         results, expected = read_results(outs[launcher]), read_results(outs["one"])
         assert (results["world_size"], expected["world_size"]) == (2, 1)
         for name in METRICS:
-            assert results[f"eval_{name}"] == pytest.approx(expected[f"eval_{name}"], rel=1e-5, abs=1e-5)
+            assert results[f"eval_{name}"] == pytest.approx(expected[f"eval_{name}"], **within_rounding(name))
         predictions = read_jsonl(outs[launcher] / "eval_predictions.jsonl")
         alone = read_jsonl(outs["one"] / "eval_predictions.jsonl")
         assert [p["index"] for p in predictions] == list(range(9))
@@ -210,11 +221,11 @@ def test_a_chat_run_s_adapter_is_the_start_and_the_reference(tiny_model, pair_fi
     tokenizer = AutoTokenizer.from_pretrained(sft_out)
     pairs = TokenizedDataset(tokenize_pairs(validation, tokenizer, 1024, "validation", tokenizing(tmp_path)),
                              ["prompt_ids", "chosen_ids", "rejected_ids", "index"])
-    batch = PairCollator(tokenizer.pad_token_id)(pairs.__getitems__(range(len(pairs))))
+    batch = PromptRepliesCollator(tokenizer.pad_token_id)(pairs.__getitems__(range(len(pairs))))
     batch.pop("index")
     with torch.no_grad():
-        merged = pair_log_probs(load_causal_lm(str(sft_out)).eval(), dict(batch))[0]
-        base = pair_log_probs(AutoModelForCausalLM.from_pretrained(tiny_model).eval(), dict(batch))[0]
+        merged = pair_log_probs(load_causal_lm(str(sft_out)).eval(), batch)[0]
+        base = pair_log_probs(AutoModelForCausalLM.from_pretrained(tiny_model).eval(), batch)[0]
     predictions = read_jsonl(out / "eval_predictions.jsonl")
     reference = torch.tensor([[p["reference_logps_chosen"], p["reference_logps_rejected"]] for p in predictions])
     torch.testing.assert_close(reference, merged, rtol=1e-6, atol=1e-5)

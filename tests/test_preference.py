@@ -10,15 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from helpers import note_longest_texts, tiny_llama, tokenizing
+from helpers import note_longest_texts, tiny_llama, tokenizing, whole_rows_batch
 from transformers import AutoModelForCausalLM
 
 from finetune.data.batching import TokenizedDataset
 from finetune.errors import UserError
 from finetune.models.lora import add_lora
-from finetune.tasks.chat import IGNORE
 from finetune.tasks.preference import (
-    PairCollator,
     PromptRepliesCollator,
     Reference,
     dpo_loss,
@@ -84,22 +82,24 @@ def test_every_format_gives_the_same_tokens_and_both_replies_follow_the_same_pro
     assert plain["chosen_ids"] == row["chosen_ids"] and "You are a helpful AI" in tokenizer.decode(plain["prompt_ids"])
 
 
-def test_a_prompt_may_hold_earlier_turns_and_the_batch_puts_chosen_rows_then_rejected_rows(tokenizer, tmp_path):
+def test_a_prompt_may_hold_earlier_turns_and_the_batch_holds_each_prompt_once_and_its_two_replies(tokenizer,
+                                                                                                     tmp_path):
     history = [SYSTEM, USER, assistant("Team: billing\nWhich card?"), {"role": "user", "content": "The Visa one."}]
     tokenized = tokenize({"prompt": [history, [USER]], "chosen": [CHOSEN, CHOSEN], "rejected": [REJECTED, "No."]},
                          tokenizer, tmp_path)
     assert "Which card?" in tokenizer.decode(tokenized[0]["prompt_ids"])
     rows = [tokenized[i] for i in range(2)]
-    batch = PairCollator(pad_token_id=tokenizer.pad_token_id)(rows)
-    assert batch["input_ids"].shape[0] == 4 and batch["index"].tolist() == [0, 1]
-    for position, (row, side) in enumerate([(0, "chosen_ids"), (1, "chosen_ids"), (0, "rejected_ids"),
+    batch = PromptRepliesCollator(pad_token_id=tokenizer.pad_token_id)(rows)
+    assert batch["prompt_ids"].shape[0] == 2 and batch["reply_ids"].shape[0] == 4 and batch["index"].tolist() == [0, 1]
+    for row in range(2):
+        prompt = rows[row]["prompt_ids"]
+        assert batch["prompt_ids"][row, :len(prompt)].tolist() == prompt and batch["prompt_mask"][row].sum() == len(
+            prompt)
+    for position, (row, side) in enumerate([(0, "chosen_ids"), (0, "rejected_ids"), (1, "chosen_ids"),
                                             (1, "rejected_ids")]):
-        ids = rows[row]["prompt_ids"] + rows[row][side]
-        assert batch["input_ids"][position, :len(ids)].tolist() == ids
-        assert batch["attention_mask"][position].sum() == len(ids)
-        labels = batch["labels"][position]
-        assert labels[labels != IGNORE].tolist() == rows[row][side]
-        assert (labels[:len(rows[row]["prompt_ids"])] == IGNORE).all()
+        reply = rows[row][side]
+        assert batch["reply_ids"][position, :len(reply)].tolist() == reply
+        assert batch["reply_mask"][position].sum() == len(reply)
 
 
 def test_long_pairs_keep_the_prompt_and_the_start_of_both_replies(tokenizer, tmp_path):
@@ -112,7 +112,7 @@ def test_long_pairs_keep_the_prompt_and_the_start_of_both_replies(tokenizer, tmp
         assert cut[row]["prompt_ids"] == full[row]["prompt_ids"]
         for side in ("chosen_ids", "rejected_ids"):
             assert cut[row][side] == full[row][side][:3] and len(cut[row][side]) >= 1
-        assert cut[row]["length"] == 2 * prompt_length + 6 and cut[row]["cut"] and not full[row]["cut"]
+        assert cut[row]["length"] == prompt_length + 6 and cut[row]["cut"] and not full[row]["cut"]
     one = tokenize(rows, tokenizer, tmp_path, max_length=prompt_length + 1)
     assert [len(one[0]["chosen_ids"]), len(one[0]["rejected_ids"])] == [1, 1]
     with pytest.raises(UserError, match=rf"train row 1: the prompt takes {prompt_length} tokens, which leaves no room "
@@ -184,7 +184,7 @@ def test_at_step_0_the_loss_is_ln_2_and_every_reward_0(tokenizer, tmp_path, lora
         model = add_lora(model, 8, 16, 0.5, "all-linear")
     model.train()
     data = pairs_dataset(tokenizer, tmp_path)
-    batch = PairCollator(tokenizer.pad_token_id)(data.__getitems__(range(len(data))))
+    batch = PromptRepliesCollator(tokenizer.pad_token_id)(data.__getitems__(range(len(data))))
     batch.pop("index")
     reference = Reference(model).pair_log_probs(model, batch)
     assert model.training and all(m.training for m in model.modules()), "the reference leaves training mode as it was"
@@ -198,11 +198,11 @@ def test_at_step_0_the_loss_is_ln_2_and_every_reward_0(tokenizer, tmp_path, lora
 
 def test_the_reference_is_the_model_before_training_with_lora_or_without(tokenizer, tmp_path):
     data = pairs_dataset(tokenizer, tmp_path)
-    batch = PairCollator(tokenizer.pad_token_id)(data.__getitems__(range(len(data))))
+    batch = PromptRepliesCollator(tokenizer.pad_token_id)(data.__getitems__(range(len(data))))
     batch.pop("index")
     base = tiny_model(tokenizer).eval()
     with torch.no_grad():
-        before = pair_log_probs(base, dict(batch))[0]
+        before = pair_log_probs(base, batch)[0]
     for lora in (True, False):
         policy = add_lora(tiny_model(tokenizer), 8, 16, 0.0, "all-linear") if lora else tiny_model(tokenizer)
         reference = Reference(policy)
@@ -210,46 +210,61 @@ def test_the_reference_is_the_model_before_training_with_lora_or_without(tokeniz
             for parameter in policy.parameters():
                 if parameter.requires_grad:
                     parameter.add_(0.05 * torch.randn_like(parameter))
-        moved = pair_log_probs(policy.eval(), dict(batch))[0]
+        moved = pair_log_probs(policy.eval(), batch)[0]
         assert (moved - before).abs().min() > 1e-3
         torch.testing.assert_close(reference.pair_log_probs(policy, batch), before, rtol=0, atol=1e-5)
-        # each prompt once for both replies, a few pairs a pass, as evaluation runs it (sums of about -240: float32
-        # rounds them to 1.5e-5)
-        shared = PromptRepliesCollator(tokenizer.pad_token_id)(data.__getitems__(range(len(data))))
-        shared.pop("index")
-        torch.testing.assert_close(reference.shared_prompt_log_probs(policy, shared, max_tokens=200), before,
+        # a few pairs a pass, as evaluation runs it (sums of about -240: float32 rounds them to 1.5e-5)
+        torch.testing.assert_close(reference.shared_prompt_log_probs(policy, batch, max_tokens=200), before,
                                    rtol=2e-7, atol=1e-5)
 
 
-def test_summed_log_probabilities_equal_trl_s_on_the_same_token_ids(tokenizer, tmp_path):
+def test_summed_log_probabilities_and_their_gradient_equal_trl_s_on_whole_rows(tokenizer, tmp_path):
+    """Each prompt runs once for both replies; TRL's DPOTrainer runs each reply after its own copy of the prompt.
+    The sums agree, and so does the gradient they give the adapters."""
     from trl.trainer.utils import add_fused_lm_head
 
     data = pairs_dataset(tokenizer, tmp_path)
-    batch = PairCollator(tokenizer.pad_token_id)(data.__getitems__(range(len(data))))
+    pairs = data.__getitems__(range(len(data)))
+    batch = PromptRepliesCollator(tokenizer.pad_token_id)(pairs)
     batch.pop("index")
-    ours, counts = pair_log_probs(tiny_model(tokenizer).eval(), dict(batch))
-    trl_model = tiny_model(tokenizer).eval()
-    add_fused_lm_head(trl_model)
-    with torch.no_grad():  # TRL's DPOTrainer: labels are the completion's tokens, the rest -100; summed per row
-        log_probs = trl_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              labels=batch["labels"], fused_lm_head=True).log_probs
+    model = add_lora(tiny_model(tokenizer), 8, 16, 0.0, "all-linear")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.05)
+    ours, counts = pair_log_probs(model, batch)
+    weights = torch.rand(len(data), 2, generator=torch.Generator().manual_seed(0)) - 0.5
+    (ours * weights).sum().backward()
+    ours_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    # TRL's DPOTrainer: every chosen row, then every rejected row, each prompt + reply; labels on the reply
+    whole = whole_rows_batch([(p["prompt_ids"], p[side]) for side in ("chosen_ids", "rejected_ids") for p in pairs])
+    add_fused_lm_head(model.get_base_model())
+    log_probs = model(input_ids=whole["input_ids"], attention_mask=whole["attention_mask"], labels=whole["labels"],
+                      fused_lm_head=True).log_probs
     theirs = log_probs.sum(1).view(2, -1).T
-    assert ours.shape == (len(data), 2) and (counts > 0).all()
+    (theirs * weights).sum().backward()
+    assert ours.shape == (len(data), 2) and torch.equal(counts, (whole["labels"] != -100).sum(1).view(2, -1).T)
     # sums of about -80, added in another order: float32 rounds them by up to 1.5e-5 (a token more would be 1e-1)
-    torch.testing.assert_close(ours.detach(), theirs, rtol=2e-7, atol=1e-5)
+    torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=2e-7, atol=1e-5)
     assert len({round(v, 3) for v in ours.flatten().tolist()}) == 2 * len(data), "the pairs differ"
+    theirs_grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert ours_grads.keys() == theirs_grads.keys() and len(ours_grads) > 4
+    for name, grad in ours_grads.items():
+        torch.testing.assert_close(grad, theirs_grads[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda message, name=name: f"{name}: {message}")
 
 
 def test_a_precomputed_reference_equals_the_live_one_and_is_read_back(tokenizer, tmp_path, monkeypatch):
     data = pairs_dataset(tokenizer, tmp_path, count=7)
     # Each pair longer than the one before: computed longest first, the table must come back in pair order.
     assert list(data.lengths) == sorted(set(data.lengths))
-    collate, shared = PairCollator(tokenizer.pad_token_id), PromptRepliesCollator(tokenizer.pad_token_id)
+    shared = PromptRepliesCollator(tokenizer.pad_token_id)
     policy = add_lora(tiny_model(tokenizer), 8, 16, 0.0, "all-linear")
     reference = Reference(policy)
     path = tmp_path / "ref.safetensors"
     table = precomputed_reference(reference, policy, data, shared, batch_size=3, max_tokens=200, path=path, key="a")
-    batch = collate(data.__getitems__(range(7)))
+    batch = shared(data.__getitems__(range(7)))
     batch.pop("index")
     # within 1e-5, and float32's rounding of sums of about -240 (1.5e-5) between batches of other shapes
     torch.testing.assert_close(table, reference.pair_log_probs(policy, batch), rtol=2e-7, atol=1e-5)
@@ -289,10 +304,10 @@ def test_a_ddp_wrapper_does_not_hide_the_adapters_from_the_reference(tokenizer, 
     from torch.nn.parallel import DistributedDataParallel
 
     data = pairs_dataset(tokenizer, tmp_path)
-    batch = PairCollator(tokenizer.pad_token_id)(data.__getitems__(range(len(data))))
+    batch = PromptRepliesCollator(tokenizer.pad_token_id)(data.__getitems__(range(len(data))))
     batch.pop("index")
     with torch.no_grad():
-        base = pair_log_probs(tiny_model(tokenizer).eval(), dict(batch))[0]
+        base = pair_log_probs(tiny_model(tokenizer).eval(), batch)[0]
     policy = add_lora(tiny_model(tokenizer), 8, 16, 0.1, "all-linear")
     with torch.no_grad():
         for name, parameter in policy.named_parameters():
@@ -309,7 +324,7 @@ def test_a_ddp_wrapper_does_not_hide_the_adapters_from_the_reference(tokenizer, 
         dist.destroy_process_group()
     torch.testing.assert_close(reference, base, rtol=0, atol=1e-5)
     torch.testing.assert_close(table, base, rtol=2e-7, atol=1e-5)
-    assert (pair_log_probs(policy.eval(), dict(batch))[0] - base).abs().min() > 1e-3, "the adapters are on again"
+    assert (pair_log_probs(policy.eval(), batch)[0] - base).abs().min() > 1e-3, "the adapters are on again"
 
 
 def test_a_reply_of_megabytes_is_cut_before_it_is_tokenized(tokenizer, tmp_path, monkeypatch):

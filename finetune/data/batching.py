@@ -25,10 +25,16 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset, Sampler
 
-__all__ = ["GlobalBatchSampler", "PlannedBatch", "RankPlan", "TokenizedDataset"]
+__all__ = ["GlobalBatchSampler", "PlannedBatch", "RankPlan", "TokenizedDataset", "padded_tokens"]
 
 LENGTH, LOSS_UNITS = "length", "loss_units"
 """Columns every tokenized split carries beside what the model reads: tokens per row, loss units per row."""
+
+
+def padded_tokens(batch: dict) -> int:
+    """The token positions a batch puts through the model, padding included: its ``input_ids``, or the
+    ``prompt_ids`` and ``reply_ids`` of a batch whose prompts each run once for their replies."""
+    return sum(batch[key].numel() for key in ("input_ids", "prompt_ids", "reply_ids") if key in batch)
 
 
 class TokenizedDataset(Dataset):

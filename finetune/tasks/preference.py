@@ -1,5 +1,5 @@
 """Preference pairs for DPO: reading TRL's formats, tokenizing both replies after the same prompt tokens, batching
-a pair's two rows into one forward pass, the DPO losses, and the reference model.
+pairs so that each prompt runs through the model once for both replies, the DPO losses, and the reference model.
 
 A pair is a prompt (messages), a chosen reply and a rejected one (each one assistant turn). Both replies are found by
 position, as ``finetune.tasks.chat`` finds a reply: the prompt rendered with the generation prompt, and the reply as the
@@ -33,10 +33,10 @@ from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.distributed.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
 from finetune.models.loading import default_chat_model_path, from_pretrained
-from finetune.tasks.causal_lm import adapt_chat_model, label_log_probs, shared_prompt_log_probs
-from finetune.tasks.chat import IGNORE, check_conversation, render_last_reply, rows_tools, without_nulls
+from finetune.tasks.causal_lm import adapt_chat_model, reply_log_probs, shared_prompt_log_probs
+from finetune.tasks.chat import check_conversation, render_last_reply, rows_tools, without_nulls
 
-__all__ = ["LOSS_TYPES", "PAIR_FIGURES", "PairCollator", "Precomputation", "PromptRepliesCollator", "Reference",
+__all__ = ["LOSS_TYPES", "PAIR_FIGURES", "Precomputation", "PromptRepliesCollator", "Reference",
            "check_loss_options", "dpo_loss", "is_adapter_folder", "load_causal_lm", "load_policy_and_reference",
            "pair_figures", "pair_log_probs", "pair_metrics", "precomputed_reference", "preference_layout",
            "preview_pairs", "read_pairs",
@@ -135,7 +135,7 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
     """``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (the replies' tokens, after the prompt's), ``index`` (the
     row), ``cut`` (whether a reply was cut) and ``same`` (whether both replies are the same tokens, after the cut: a
     pair that trains nothing, its loss ln 2 and its gradient zero); one loss unit per pair; ``length`` is the tokens
-    of both rows.
+    the pair puts through the model: its prompt once and both replies.
 
     A pair with a row longer than ``max_length`` keeps its whole prompt and the start of each reply: both replies
     are cut to the ``max_length - prompt`` tokens left, so each keeps at least one. Each reply is what the model
@@ -175,8 +175,8 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
             out["rejected_ids"].append(rejected_ids[:room])
             out["cut"].append(max(len(chosen_ids), len(rejected_ids)) > room)
             out["same"].append(out["chosen_ids"][-1] == out["rejected_ids"][-1])
-            # Both rows: batches are grouped by, and padding efficiency counts, what a pair puts through the model.
-            out[LENGTH].append(2 * len(prompt_ids) + len(out["chosen_ids"][-1]) + len(out["rejected_ids"][-1]))
+            # Batches are grouped by, and padding efficiency counts, what a pair puts through the model.
+            out[LENGTH].append(len(prompt_ids) + len(out["chosen_ids"][-1]) + len(out["rejected_ids"][-1]))
         out[LOSS_UNITS] = [1] * len(rows)
         if generation_prompts:
             out["prompt_messages"] = [json.dumps(prompt) for prompt, _, _ in pairs]
@@ -190,32 +190,11 @@ def tokenize_pairs(split: datasets.Dataset, tokenizer, max_length: int, name: st
     return tokenizing.map(split, encode, name, features)
 
 
-class PairCollator:
-    """Pairs to one batch for one forward pass: every pair's chosen row, then every pair's rejected row, each the
-    prompt and the reply, right-padded; labels on the reply tokens only. ``index`` (one per pair) comes along."""
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
-
-    def __call__(self, pairs: list[dict]) -> dict:
-        rows = [(p["prompt_ids"], p[side]) for side in ("chosen_ids", "rejected_ids") for p in pairs]
-        width = max(len(prompt) + len(reply) for prompt, reply in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-        for row, (prompt, reply) in enumerate(rows):
-            length = len(prompt) + len(reply)
-            input_ids[row, :length] = torch.tensor(prompt + reply)
-            attention_mask[row, :length] = 1
-            labels[row, len(prompt):length] = torch.tensor(reply)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
-                "index": torch.tensor([p["index"] for p in pairs], dtype=torch.long)}
-
-
 class PromptRepliesCollator:
-    """Pairs to one batch for ``finetune.tasks.causal_lm.shared_prompt_log_probs`` (evaluation, the precomputed
-    reference): ``prompt_ids`` and ``prompt_mask``, one row per pair, and ``reply_ids`` and ``reply_mask``, each
-    pair's chosen then rejected reply, all right-padded. ``index`` (one per pair) comes along."""
+    """Pairs to one batch whose prompts each run once for both replies (``pair_log_probs`` in training,
+    ``finetune.tasks.causal_lm.shared_prompt_log_probs`` in evaluation and for the precomputed reference):
+    ``prompt_ids`` and ``prompt_mask``, one row per pair, and ``reply_ids`` and ``reply_mask``, each pair's chosen
+    then rejected reply, all right-padded. ``index`` (one per pair) comes along."""
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
@@ -234,15 +213,12 @@ class PromptRepliesCollator:
 
 def pair_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_probs, counts)``, each ``[pairs, 2]`` (chosen, rejected): the replies' float32 log-probabilities
-    summed over their tokens (``finetune.tasks.causal_lm.label_log_probs``), and their token counts. ``batch`` is a
-    ``PairCollator`` batch without its ``index``; it loses its labels."""
-    log_probs, labels = label_log_probs(model, batch)
-    return _by_pair(log_probs.sum(1)), _by_pair((labels != IGNORE).sum(1))
-
-
-def _by_pair(rows: torch.Tensor) -> torch.Tensor:
-    """``[2 x pairs]`` rows (chosen rows, then rejected rows) as ``[pairs, 2]``."""
-    return rows.view(2, -1).T
+    summed over their tokens and their token counts, of a ``PromptRepliesCollator`` batch without its ``index``.
+    Each prompt runs once and its KV cache serves both replies
+    (``finetune.tasks.causal_lm.reply_log_probs``); ``model`` may be wrapped (DDP) and train."""
+    prompt_of = torch.arange(len(batch["prompt_ids"]), device=batch["prompt_ids"].device).repeat_interleave(2)
+    log_probs = reply_log_probs(model, {**batch, "prompt_of": prompt_of})
+    return log_probs.sum(1).view(-1, 2), batch["reply_mask"].sum(1).view(-1, 2)
 
 
 def dpo_loss(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor, loss_type: str, beta: float,
@@ -333,10 +309,10 @@ class Reference:
         return self.table[index.to(self.table.device)]
 
     def pair_log_probs(self, policy, batch: dict) -> torch.Tensor:
-        """``[pairs, 2]`` summed reply log-probabilities of a ``PairCollator`` batch (as ``pair_log_probs``);
-        ``policy`` may be wrapped (DDP)."""
-        with torch.no_grad(), self.model(policy, batch["input_ids"].device) as model:
-            return pair_log_probs(model, dict(batch))[0]
+        """``[pairs, 2]`` summed reply log-probabilities of a ``PromptRepliesCollator`` batch (as
+        ``pair_log_probs``); ``policy`` may be wrapped (DDP)."""
+        with torch.no_grad(), self.model(policy, batch["prompt_ids"].device) as model:
+            return pair_log_probs(model, batch)[0]
 
     def shared_prompt_log_probs(self, policy, batch: dict, max_tokens: int) -> torch.Tensor:
         """``[pairs, 2]`` as ``pair_log_probs``, of a ``PromptRepliesCollator`` batch, each prompt run once for both
@@ -400,7 +376,7 @@ def preview_pairs(pairs: datasets.Dataset, tokenizer, count: int) -> list[dict]:
     return previews
 
 
-def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set, eval_collate, table_path: Path
+def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set, collate, table_path: Path
                               ) -> tuple[torch.nn.Module, Reference, str]:
     """The model preference tuning trains (``--model_name_or_path``, by default the default chat model; an adapter
     folder is folded into its base), with LoRA unless ``--no_use_lora``; its ``Reference``, whose log-probabilities
@@ -416,7 +392,7 @@ def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set
     if args.precompute_ref_log_probs:
         # The precision as the runtimes take it: the flag, else accelerate launch's configuration.
         precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-        precomputation = Precomputation(train_set, eval_collate, cfg.per_device_eval_batch_size,
+        precomputation = Precomputation(train_set, collate, cfg.per_device_eval_batch_size,
                                         args.per_device_eval_max_tokens, table_path,
                                         key=reference_key(model, precision, data_folder))
     model, adapters = adapt_chat_model(model, args, tokenizer)
