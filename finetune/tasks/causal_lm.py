@@ -33,7 +33,7 @@ from finetune.tasks.chat import IGNORE, end_of_turn_ids, require_chat_template, 
 __all__ = ["CausalLMArguments", "ChatModelArguments", "ChatTask", "EvalReplies", "adapt_chat_model", "cache_keyword",
            "chat_model_card", "check_output_layer", "decode_replies", "greedy_replies", "label_log_probs",
            "language_model_collators", "load_chat_tokenizer", "reply_log_probs", "save_chat_model",
-           "shared_prompt_log_probs", "split_by_tokens", "summed_log_probs"]
+           "shared_prompt_log_probs", "split_by_tokens", "summed_log_probs", "summed_reply_log_probs"]
 
 LOGITS_PER_CHUNK = 2**24
 """Logits computed at once (64 MiB in float32): a chunk holds ``LOGITS_PER_CHUNK // vocabulary`` positions."""
@@ -284,13 +284,19 @@ def shared_prompt_log_probs(model, batch: dict, max_tokens: int) -> torch.Tensor
 
 
 def _shared_prompt_pass(model, batch: dict, rows: slice, k: int) -> torch.Tensor:
-    """``shared_prompt_log_probs`` of the prompts ``rows``: a forward pass over them, then one over their replies."""
+    """``shared_prompt_log_probs`` of the prompts ``rows``."""
     reply_rows = slice(rows.start * k, rows.stop * k)
-    prompt_of = torch.arange(rows.stop - rows.start, device=batch["prompt_mask"].device).repeat_interleave(k)
     part = {"prompt_ids": batch["prompt_ids"][rows], "prompt_mask": batch["prompt_mask"][rows],
-            "reply_ids": batch["reply_ids"][reply_rows], "reply_mask": batch["reply_mask"][reply_rows],
-            "prompt_of": prompt_of}
-    return reply_log_probs(model, part).sum(1).view(-1, k)
+            "reply_ids": batch["reply_ids"][reply_rows], "reply_mask": batch["reply_mask"][reply_rows]}
+    return summed_reply_log_probs(model, part, k)
+
+
+def summed_reply_log_probs(model, batch: dict, k: int) -> torch.Tensor:
+    """``[prompts, k]``: the summed float32 log-probabilities of each prompt's ``k`` replies (``batch`` as
+    ``shared_prompt_log_probs`` takes it), in one forward pass over the prompts and one over their replies
+    (``reply_log_probs``); ``model`` may be wrapped (DDP) and train."""
+    prompt_of = torch.arange(len(batch["prompt_ids"]), device=batch["prompt_ids"].device).repeat_interleave(k)
+    return reply_log_probs(model, {**batch, "prompt_of": prompt_of}).sum(1).view(-1, k)
 
 
 def reply_log_probs(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:

@@ -33,7 +33,7 @@ from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.distributed.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
 from finetune.models.loading import default_chat_model_path, from_pretrained
-from finetune.tasks.causal_lm import adapt_chat_model, reply_log_probs, shared_prompt_log_probs
+from finetune.tasks.causal_lm import adapt_chat_model, shared_prompt_log_probs, summed_reply_log_probs
 from finetune.tasks.chat import check_conversation, render_last_reply, rows_tools, without_nulls
 
 __all__ = ["LOSS_TYPES", "PAIR_FIGURES", "Precomputation", "PromptRepliesCollator", "Reference",
@@ -215,10 +215,8 @@ def pair_log_probs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_probs, counts)``, each ``[pairs, 2]`` (chosen, rejected): the replies' float32 log-probabilities
     summed over their tokens and their token counts, of a ``PromptRepliesCollator`` batch without its ``index``.
     Each prompt runs once and its KV cache serves both replies
-    (``finetune.tasks.causal_lm.reply_log_probs``); ``model`` may be wrapped (DDP) and train."""
-    prompt_of = torch.arange(len(batch["prompt_ids"]), device=batch["prompt_ids"].device).repeat_interleave(2)
-    log_probs = reply_log_probs(model, {**batch, "prompt_of": prompt_of})
-    return log_probs.sum(1).view(-1, 2), batch["reply_mask"].sum(1).view(-1, 2)
+    (``finetune.tasks.causal_lm.summed_reply_log_probs``); ``model`` may be wrapped (DDP) and train."""
+    return summed_reply_log_probs(model, batch, 2), batch["reply_mask"].sum(1).view(-1, 2)
 
 
 def dpo_loss(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor, loss_type: str, beta: float,
