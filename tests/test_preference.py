@@ -93,8 +93,8 @@ def test_a_prompt_may_hold_earlier_turns_and_the_batch_holds_each_prompt_once_an
     assert batch["prompt_ids"].shape[0] == 2 and batch["reply_ids"].shape[0] == 4 and batch["index"].tolist() == [0, 1]
     for row in range(2):
         prompt = rows[row]["prompt_ids"]
-        assert batch["prompt_ids"][row, :len(prompt)].tolist() == prompt and batch["prompt_mask"][row].sum() == len(
-            prompt)
+        assert batch["prompt_ids"][row, :len(prompt)].tolist() == prompt
+        assert batch["prompt_mask"][row].sum() == len(prompt)
     for position, (row, side) in enumerate([(0, "chosen_ids"), (0, "rejected_ids"), (1, "chosen_ids"),
                                             (1, "rejected_ids")]):
         reply = rows[row][side]
