@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check: on a GPU machine that reaches no network, run the GPU tests (`pytest -m gpu`) and the
-# benchmark's chat and classify suites on the GPU, and leave every result under OUT. About 10 minutes on one
-# H200 (the tests: about 5, FSDP's six runs under both launchers included).
+# benchmark's chat and classify suites on the GPU, and leave every result under OUT. The parts run as separate
+# calls, the tests first: on one H200 they took about 7 minutes (2026-12-04: FSDP's six runs under both
+# launchers 126 s, the resumed run 62 s, the chat recipe 69 s), which with a machine's start and one rerun
+# fills a session's 15 device minutes; the benchmarks (about 7 minutes) are for a session that has time left.
 #
 #   python bench/gpu_bundle.py build          # first, where pip works: .gpu/, what the GPU machine lacks
-#   bash bench/gpu_check.sh OUT               # on the GPU machine, in a copy of the checkout with .gpu/
+#   bash bench/gpu_check.sh OUT tests         # on the GPU machine, in a copy of the checkout with .gpu/
+#   bash bench/gpu_check.sh OUT tests -k ...  # a rerun of some: what follows 'tests' goes to pytest
+#   bash bench/gpu_check.sh OUT bench         # the same, the benchmarks (about 4 minutes)
 #   bash bench/gpu_check.sh OUT --rehearse    # anywhere: the same install, chat model, test selection and
 #                                             # result files, with the runs cut to a minimum (CPU, minutes)
 #
@@ -17,8 +21,10 @@
 # files (sft-cuda.*, latest-cuda.*: copy them to bench/results/ to commit) and summary.txt with each step's
 # exit status. Every step runs under its own time limit, so one that hangs cannot eat the others' minutes.
 set -uo pipefail
-out=${1:?usage: bash bench/gpu_check.sh OUT [--rehearse]}
-rehearse=${2:-}
+part=${2:-}
+case $part in tests|bench|--rehearse) ;; *) echo "usage: bash bench/gpu_check.sh OUT tests|bench|--rehearse" >&2
+  exit 2;; esac
+out=$1
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.." || exit 1
@@ -36,31 +42,33 @@ step() {  # step NAME SECONDS COMMAND...: run, log, and record the exit status
 }
 
 : > "$out/summary.txt"
-{ nvidia-smi || echo "no nvidia-smi"; python3 -c "import torch; print('torch', torch.__version__, 'cuda',
-torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')"; } \
-  > "$out/device.txt" 2>&1
+{ nvidia-smi || echo "no nvidia-smi"; python3 -c "import accelerate, peft, torch, transformers
+print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if
+torch.cuda.is_available() else '', 'transformers', transformers.__version__, 'accelerate', accelerate.__version__,
+'peft', peft.__version__)"; } > "$out/device.txt" 2>&1
 
 # flash-attn is not among the wheels (it compiles for far longer than the budget): packed batches run on
 # SDPA, which the tests accept and name.
 step install 60 python3 -m pip install --no-index --no-deps --no-compile --target "$scratch/site" \
   --python-version 3.12 --only-binary=:all: .gpu/wheels/*.whl
-if [ "$rehearse" = "--rehearse" ]; then  # what the GPU machine has and this one may lack: httpx (datasets needs it)
+if [ "$part" = --rehearse ]; then  # what the GPU machine has and this one may lack: httpx (datasets needs it)
   step rehearse-install 120 python3 -m pip install --target "$scratch/rehearse-site" httpx
   export PYTHONPATH="$PYTHONPATH:$scratch/rehearse-site"
 fi
 step chat-model 120 python3 bench/gpu_bundle.py chat-model
 
-if [ "$rehearse" = "--rehearse" ]; then
+if [ "$part" = --rehearse ]; then
   step gpu-tests 120 python3 -m pytest -m gpu --collect-only -q
   step bench-sft 600 python3 bench/run.py --suite sft --repeats 1 --train_examples 24 \
     --per_device_train_batch_size 4 --results_dir "$out"
+elif [ "$part" = tests ]; then  # every test, not -x: a call is too dear to learn one failure a call
+  step gpu-tests 480 python3 -m pytest -m gpu -v -rfE --durations=0 --junitxml="$out/gpu-tests.xml" "${@:3}"
 else
-  step gpu-tests 480 python3 -m pytest -m gpu -q -x --junitxml="$out/gpu-tests.xml"
-  # One repeat each (a configuration's start-up is most of its time on a GPU). The chat suite at a batch
-  # that keeps the GPU busy: 512 conversations of about 60 tokens a step, 32 steps.
+  # One repeat each (a configuration's start-up is most of its time on a GPU), the shorter suite first. The
+  # chat suite at a batch that keeps the GPU busy: 512 conversations of about 60 tokens a step, 32 steps.
+  step bench-classify 150 python3 bench/run.py --suite classify --repeats 1 --results_dir "$out"
   step bench-sft 240 python3 bench/run.py --suite sft --repeats 1 --train_examples 16384 \
     --per_device_train_batch_size 512 --results_dir "$out"
-  step bench-classify 150 python3 bench/run.py --suite classify --repeats 1 --results_dir "$out"
 fi
 rm -rf "$scratch"
 cat "$out/summary.txt"

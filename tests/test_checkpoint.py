@@ -7,6 +7,7 @@ import torch
 from helpers import snapshot
 from safetensors.torch import save_file
 
+import finetune
 from finetune.checkpointing.checkpoint import (
     Progress,
     check_output_dir,
@@ -104,7 +105,8 @@ def test_the_manifest_records_progress_versions_and_checksums(tmp_path):
     folder = make_checkpoint(tmp_path, 4)
     manifest = json.loads((folder / "manifest.json").read_text())
     assert (manifest["global_step"], manifest["world_size"], manifest["seed"]) == (4, 2, 7)
-    assert manifest["torch_version"] == torch.__version__ and manifest["finetune_version"]
+    # the package's own version, also where it runs from a checkout that pip never installed
+    assert (manifest["torch_version"], manifest["finetune_version"]) == (torch.__version__, finetune.__version__)
     assert manifest["files"]["optimizer.bin"] == hashlib.sha256(b"moments" * 100).hexdigest()
     assert sorted(manifest["files"]) == ["model.safetensors", "optimizer.bin", "progress.json"]
     verify_checkpoint(folder)

@@ -158,11 +158,13 @@ def test_a_resumed_run_on_the_gpu_ends_where_an_uninterrupted_one_does(tmp_path)
     assert max_weight_diff(full, resumed) <= 1e-3
 
 
-def test_a_packed_batch_on_the_gpu_gives_each_token_the_loss_it_has_alone():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_packed_batch_on_the_gpu_gives_each_token_the_loss_it_has_alone(dtype):
     """Packed rows as the recipe packs them on this GPU (flash-attention's variable-length kernels when flash-attn
-    is installed, SDPA with a mask built from the restarted position ids otherwise), in bf16: every token's loss
-    is its loss with its example alone, and without the restarted positions (the rows attending to each other)
-    it is not. A tiny Llama drawn with wide weights, so that attention across examples changes losses by far."""
+    is installed and the model runs in bf16, SDPA with a mask built from the restarted position ids otherwise):
+    every token's loss is its loss with its example alone, and without the restarted positions (the rows attending
+    to each other) it is not. A tiny Llama drawn with wide weights, so that attention across examples changes
+    losses by far: by 1.8 on average, and by at least 0.015 for every token after the first example."""
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig
 
     from finetune.tasks.causal_lm import label_log_probs, language_model_collators
@@ -174,8 +176,9 @@ def test_a_packed_batch_on_the_gpu_gives_each_token_the_loss_it_has_alone():
     config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          initializer_range=0.2)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
-                                             attn_implementation="flash_attention_2" if flash else "sdpa")
+    flash = flash and dtype == torch.bfloat16
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="flash_attention_2" if flash
+                                             else "sdpa")
     model = model.cuda().eval()
     generator = torch.Generator().manual_seed(1)
     rows = [{"input_ids": ids, "labels": ids} for ids in
@@ -190,8 +193,12 @@ def test_a_packed_batch_on_the_gpu_gives_each_token_the_loss_it_has_alone():
         alone = torch.cat([losses({k: torch.tensor([v]) for k, v in row.items()}) for row in rows])
         crossing = losses(DataCollatorWithFlattening(return_position_ids=False)(rows))
     assert together.shape == alone.shape == (sum(len(row["input_ids"]) - 1 for row in rows),)
-    assert (together - alone).abs().max() <= 0.05, "within bf16 rounding of losses near 10"
-    assert (crossing - alone).abs().max() > 1.0
+    if dtype == torch.float32:
+        assert (together - alone).abs().max() <= 1e-3
+    else:  # the logits are near 10, where bf16's step is 0.0625: a kernel that tiles a row differently moves
+        # some logits by a step (seen on an H200: up to 0.061)
+        assert (together - alone).abs().max() <= 0.125 and (together - alone).abs().mean() <= 0.02
+    assert (crossing - alone).abs().mean() > 1.0
 
 
 def test_sft_with_lora_in_bf16_trains_packed_and_padded(tmp_path):

@@ -30,7 +30,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
-from importlib.metadata import version
 from pathlib import Path
 
 import psutil
@@ -39,6 +38,7 @@ import xxhash
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from finetune import __version__
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 
@@ -219,7 +219,7 @@ def write_manifest(folder: Path, progress: Progress) -> None:
     """Flush every file in ``folder`` to disk and record its checksum; call once the folder is complete."""
     files = {p.relative_to(folder).as_posix(): _sha256_and_sync(p) for p in sorted(folder.rglob("*"))
              if p.is_file() and p.name != MANIFEST_FILE}
-    manifest = {**asdict(progress), "finetune_version": version("finetune"), "torch_version": torch.__version__,
+    manifest = {**asdict(progress), "finetune_version": __version__, "torch_version": torch.__version__,
                 "files": files}
     with open(folder / MANIFEST_FILE, "w") as f:
         json.dump(manifest, f, indent=2)

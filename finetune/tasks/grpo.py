@@ -626,8 +626,9 @@ class Rollouts:
                                     epsilon=self.args.epsilon, epsilon_high=self.args.epsilon_high,
                                     old_log_probs=batch.get("old_log_probs"), ref_log_probs=batch.get("ref_log_probs"),
                                     beta=self.args.beta)
-        self._loss_figures += torch.stack([figures["clipped_low"], figures["clipped_high"],
-                                           figures.get("kl", torch.zeros(())), figures["tokens"]]).double().cpu()
+        no_kl = figures["clipped_low"].new_zeros(())  # on the loss's device: the figures are stacked there
+        self._loss_figures += torch.stack([figures["clipped_low"], figures["clipped_high"], figures.get("kl", no_kl),
+                                           figures["tokens"]]).double().cpu()
         return loss
 
     def _note_rollout(self, shared: dict, advantages: Advantages, generation_seconds: float,
