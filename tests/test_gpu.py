@@ -164,7 +164,7 @@ def test_a_packed_batch_on_the_gpu_gives_each_token_the_loss_it_has_alone(dtype)
     is installed and the model runs in bf16, SDPA with a mask built from the restarted position ids otherwise):
     every token's loss is its loss with its example alone, and without the restarted positions (the rows attending
     to each other) it is not. A tiny Llama drawn with wide weights, so that attention across examples changes
-    losses by far: by 1.8 on average, and by at least 0.015 for every token after the first example."""
+    losses by far (on the CPU: by 1.8 on average, by at least 0.015 for every token after the first example)."""
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig
 
     from finetune.tasks.causal_lm import label_log_probs, language_model_collators
