@@ -54,7 +54,7 @@ def pair_files(tmp_path_factory) -> list[str]:
 
     return ["--train_file", write_jsonl(folder / "train.jsonl", rows("train", 20)),
             "--validation_file", write_jsonl(folder / "validation.jsonl", rows("validation", 9)),
-            "--per_device_eval_batch_size", "4", "--logging_steps", "1", "--lora_dropout", "0"]
+            "--per_device_eval_batch_size", "4", "--logging_steps", "1"]
 
 
 @pytest.fixture(scope="session")
