@@ -98,14 +98,24 @@ def test_prefixed_keys_are_repaired_on_load_with_one_warning(tmp_path, caplog, s
     torch.nn.Linear(3, 2).load_state_dict(state)
 
 
-def test_the_manifest_records_progress_versions_and_checksums(tmp_path):
+def test_the_manifest_records_progress_versions_and_checksums(tmp_path, monkeypatch):
+    """Also where the package runs from a checkout that pip never installed (on ``PYTHONPATH``, as the GPU check
+    runs it): no installed metadata names its version, and a checkpoint must not crash for that."""
     import hashlib
+    import importlib.metadata
     import json
 
+    installed = importlib.metadata.Distribution.from_name.__func__
+
+    def from_name(cls, name):
+        if name == "finetune":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed(cls, name)
+
+    monkeypatch.setattr(importlib.metadata.Distribution, "from_name", classmethod(from_name))
     folder = make_checkpoint(tmp_path, 4)
     manifest = json.loads((folder / "manifest.json").read_text())
     assert (manifest["global_step"], manifest["world_size"], manifest["seed"]) == (4, 2, 7)
-    # the package's own version, also where it runs from a checkout that pip never installed
     assert (manifest["torch_version"], manifest["finetune_version"]) == (torch.__version__, finetune.__version__)
     assert manifest["files"]["optimizer.bin"] == hashlib.sha256(b"moments" * 100).hexdigest()
     assert sorted(manifest["files"]) == ["model.safetensors", "optimizer.bin", "progress.json"]
