@@ -3,12 +3,13 @@
 # benchmark's chat and classify suites on the GPU, and leave every result under OUT. The parts run as separate
 # calls, the tests first: on one H200 they took about 7 minutes (2026-12-04: FSDP's six runs under both
 # launchers 126 s, the resumed run 62 s, the chat recipe 69 s), which with a machine's start and one rerun
-# fills a session's 15 device minutes; the benchmarks (about 7 minutes) are for a session that has time left.
+# fills a session's 15 device minutes; the benchmarks (their steps' limits: 6.5 minutes; not yet run on a
+# GPU) are for a session that has time left.
 #
 #   python bench/gpu_bundle.py build          # first, where pip works: .gpu/, what the GPU machine lacks
 #   bash bench/gpu_check.sh OUT tests         # on the GPU machine, in a copy of the checkout with .gpu/
 #   bash bench/gpu_check.sh OUT tests -k ...  # a rerun of some: what follows 'tests' goes to pytest
-#   bash bench/gpu_check.sh OUT bench         # the same, the benchmarks (about 4 minutes)
+#   bash bench/gpu_check.sh OUT bench         # the same, the benchmarks
 #   bash bench/gpu_check.sh OUT --rehearse    # anywhere: the same install, chat model, test selection and
 #                                             # result files, with the runs cut to a minimum (CPU, minutes)
 #
