@@ -59,18 +59,18 @@ LAUNCHED = {"sft": "torchrun", "dpo": "accelerate"}
 
 @pytest.mark.parametrize("recipe", sorted(LAUNCHED))
 def test_gemma_trains_on_two_processes_as_on_one_and_its_replies_stop_at_end_of_turn(gemma, data, recipe, tmp_path):
-    """Two processes of two rows each, launched, and one process of four rows, in this process, two steps: the
-    same losses and gradient norms; the saved generation config stops at ``<end_of_turn>``; the SFT adapter,
-    loaded here, replies what the run generated."""
+    """Two processes of one row each, launched, and one process of two rows (padded to the longer), in this
+    process, two steps: the same losses and gradient norms; the saved generation config stops at
+    ``<end_of_turn>``; the SFT adapter, loaded here, replies what the run generated."""
     from transformers import AutoTokenizer
 
     launcher = LAUNCHED[recipe]
     one, two = tmp_path / "one", tmp_path / launcher
-    run_on(recipe, gemma, data[recipe], two, "--per_device_train_batch_size", "2", "--max_train_steps", "2",
+    run_on(recipe, gemma, data[recipe], two, "--per_device_train_batch_size", "1", "--max_train_steps", "2",
            launcher=launcher, processes=2)
     # The replies and the merged copy are the launched run's to check; they change no training step.
     training_only = [flag for flag in data[recipe] if flag != "--merge_lora"]
-    run_on(recipe, gemma, training_only, one, "--per_device_train_batch_size", "4", "--max_train_steps", "2",
+    run_on(recipe, gemma, training_only, one, "--per_device_train_batch_size", "2", "--max_train_steps", "2",
            "--eval_generate", "0")
     first, second = log_history(one), log_history(two)
     assert [h["step"] for h in first] == [h["step"] for h in second] == [1, 2]
