@@ -50,7 +50,7 @@ from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 from finetune.evaluation import Evaluation
 from finetune.hub.pusher import HubPusher, download_last_checkpoint, model_card
-from finetune.models.loading import optimizer_param_groups
+from finetune.models.loading import optimizer_param_groups, trained_dtypes
 from finetune.observability.metering import TrainingMeter
 from finetune.runtimes.base import Runtime, TrackerSettings
 from finetune.runtimes.launcher import make_runtime
@@ -303,7 +303,8 @@ def _start_line(task: Task, cfg: TrainConfig, runtime: Runtime, source: str, set
                 schedule: Schedule) -> str:
     truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None else setup.truncated)
     return (f"training {task.name} on {source}: {len(setup.train_set)} examples ({truncated} cut "
-            f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {schedule.max_steps} steps, "
+            f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, weights trained in "
+            f"{trained_dtypes(setup.model)}, {schedule.max_steps} steps, "
             f"{runtime.world_size} process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU thread(s) "
             f"each [{runtime.name}]")
 

@@ -23,7 +23,7 @@ from finetune.data.batching import TokenizedDataset
 from finetune.data.embedded.support_chats import SUPPORT_CHATS
 from finetune.data.sources import load_splits
 from finetune.errors import run_main
-from finetune.models.loading import default_chat_model_path, from_pretrained
+from finetune.models.loading import default_chat_model_path, load_model
 from finetune.recipe import run_recipe
 from finetune.task import TaskSetup
 from finetune.tasks.causal_lm import (
@@ -70,9 +70,9 @@ class SFTTask(ChatTask):
         self.replies = EvalReplies(data.validation, tokenizer, self.args, data.info["answers"],
                                    SUPPORT_CHATS.score_replies)
         collate, eval_collate, packed, flash = language_model_collators(tokenizer, self.args.packing)
-        model = from_pretrained(transformers.AutoModelForCausalLM, cfg.model_name_or_path or default_chat_model_path(),
-                                trust_remote_code=cfg.trust_remote_code,
-                                **({"attn_implementation": "flash_attention_2"} if flash else {}))
+        model = load_model(transformers.AutoModelForCausalLM, cfg.model_name_or_path or default_chat_model_path(),
+                           trust_remote_code=cfg.trust_remote_code,
+                           **({"attn_implementation": "flash_attention_2"} if flash else {}))
         model, adapters = adapt_chat_model(model, self.args, tokenizer)
         train_set = TokenizedDataset(data.train, ["input_ids", "labels"])
         conversations, rows = data.info["split"]

@@ -224,6 +224,25 @@ def test_without_lora_every_weight_trains_and_a_plain_model_is_saved(tiny_chat_m
     assert read_results(out)["padding_efficiency"] < 1.0
 
 
+def test_a_bfloat16_checkpoint_trains_float32_weights(tiny_chat_model, chat_files, tmp_path):
+    """Released LLMs are saved in bfloat16, where Adam's steps of about the learning rate (1e-5) round away on
+    weights near 0.02 (bfloat16's spacing there is 1.2e-4): the recipe trains float32 weights whatever the
+    checkpoint's dtype, and says so."""
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_chat_model).to(torch.bfloat16).save_pretrained(bf16)
+    AutoTokenizer.from_pretrained(tiny_chat_model).save_pretrained(bf16)
+    out = tmp_path / "out"
+    result = run_on("sft", bf16, chat_files, out, "--no_use_lora", "--max_train_steps", "2", "--learning_rate", "1e-5",
+                    "--eval_generate", "0")
+    assert "weights trained in float32" in result.stdout
+    start, end = load_file(bf16 / "model.safetensors"), load_file(out / "model.safetensors")
+    mlp = [name for name in start if ".mlp." in name]
+    assert mlp and all(start[name].dtype == torch.bfloat16 and end[name].dtype == torch.float32 for name in mlp)
+    before, after = torch.cat([start[n].float().flatten() for n in mlp]), torch.cat([end[n].flatten() for n in mlp])
+    moved_below_bfloat16 = (after != before) & (after.to(torch.bfloat16).float() == before)
+    assert moved_below_bfloat16.float().mean() > 0.5
+
+
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_chat_model, chat_files, tmp_path):
     """LoRA dropout on (the default 0.05): the resume restores the random state that draws its masks."""
     flags = ["--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2",

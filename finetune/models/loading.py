@@ -11,7 +11,8 @@ from huggingface_hub import constants
 from finetune.errors import UserError
 
 __all__ = ["chat_model_folder", "default_chat_model_path", "default_model_path", "dequantized_gguf_folder",
-           "from_pretrained", "load_encoder_tokenizer", "load_labelled_encoder", "optimizer_param_groups"]
+           "from_pretrained", "load_encoder_tokenizer", "load_labelled_encoder", "load_model", "optimizer_param_groups",
+           "trained_dtypes"]
 
 CHAT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -88,6 +89,22 @@ def from_pretrained(auto_class, name_or_path: str, **kwargs):
         raise UserError(f"--model_name_or_path {name_or_path} could not be loaded: {first_line}") from None
 
 
+def load_model(auto_class, name_or_path: str, **kwargs):
+    """``from_pretrained`` of a model in float32, whatever dtype its checkpoint was saved in.
+
+    transformers loads a checkpoint in its saved dtype, and most released LLMs are saved in bfloat16, where an
+    update of 1e-5 to a weight of 0.02 rounds away; lower precision for speed is ``--mixed_precision``'s job.
+    """
+    import torch
+
+    return from_pretrained(auto_class, name_or_path, **{"dtype": torch.float32, **kwargs})
+
+
+def trained_dtypes(model) -> str:
+    """The dtypes of the weights the optimizer updates, for the run's start line: ``float32``."""
+    return ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad}))
+
+
 def load_encoder_tokenizer(cfg):
     """The tokenizer of ``--model_name_or_path``, by default the embedded MiniLM's."""
     import transformers
@@ -99,7 +116,7 @@ def load_encoder_tokenizer(cfg):
 def load_labelled_encoder(auto_class, cfg, label_names: list[str]):
     """``--model_name_or_path`` (by default the embedded MiniLM) with ``auto_class``'s new head for ``label_names``
     (a sequence or token classification head), the names in its configuration for pipelines to show."""
-    return from_pretrained(auto_class, cfg.model_name_or_path or default_model_path(), num_labels=len(label_names),
+    return load_model(auto_class, cfg.model_name_or_path or default_model_path(), num_labels=len(label_names),
                            id2label=dict(enumerate(label_names)), label2id={n: i for i, n in enumerate(label_names)},
                            trust_remote_code=cfg.trust_remote_code)
 

@@ -32,7 +32,7 @@ from finetune.data.batching import LENGTH, LOSS_UNITS
 from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.distributed.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
-from finetune.models.loading import default_chat_model_path, from_pretrained
+from finetune.models.loading import default_chat_model_path, load_model
 from finetune.tasks.causal_lm import adapt_chat_model, shared_prompt_log_probs, summed_reply_log_probs
 from finetune.tasks.chat import check_conversation, render_last_reply, rows_tools, without_nulls
 
@@ -338,8 +338,8 @@ class Reference:
 
 
 def load_causal_lm(name_or_path: str, **kwargs):
-    """The causal LM at ``name_or_path`` (``finetune.models.loading.from_pretrained``); a peft adapter folder (a chat
-    run's output) gives its base model with the adapter folded into the weights.
+    """The causal LM at ``name_or_path`` in float32 (``finetune.models.loading.load_model``); a peft adapter folder
+    (a chat run's output) gives its base model with the adapter folded into the weights.
 
     Raises:
         UserError: the model, or an adapter's base model, cannot be loaded.
@@ -347,13 +347,13 @@ def load_causal_lm(name_or_path: str, **kwargs):
     import transformers
 
     if not is_adapter_folder(name_or_path):
-        return from_pretrained(transformers.AutoModelForCausalLM, name_or_path, **kwargs)
+        return load_model(transformers.AutoModelForCausalLM, name_or_path, **kwargs)
     from peft import PeftConfig, PeftModel
 
     folder = os.path.expanduser(name_or_path)
     base_path = PeftConfig.from_pretrained(folder).base_model_name_or_path
     try:
-        base = from_pretrained(transformers.AutoModelForCausalLM, base_path, **kwargs)
+        base = load_model(transformers.AutoModelForCausalLM, base_path, **kwargs)
     except UserError as err:
         raise UserError(f"--model_name_or_path {name_or_path} is an adapter for {base_path}, which cannot be loaded "
                         f"({err}); give the base model's folder as base_model_name_or_path in adapter_config.json"
