@@ -50,7 +50,7 @@ from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 from finetune.evaluation import Evaluation
 from finetune.hub.pusher import HubPusher, download_last_checkpoint, model_card
-from finetune.models.loading import optimizer_param_groups, trained_dtypes
+from finetune.models.loading import optimizer_param_groups, weight_dtypes
 from finetune.observability.metering import TrainingMeter
 from finetune.runtimes.base import Runtime, TrackerSettings
 from finetune.runtimes.launcher import make_runtime
@@ -303,8 +303,8 @@ def _start_line(task: Task, cfg: TrainConfig, runtime: Runtime, source: str, set
                 schedule: Schedule) -> str:
     truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None else setup.truncated)
     return (f"training {task.name} on {source}: {len(setup.train_set)} examples ({truncated} cut "
-            f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, weights trained in "
-            f"{trained_dtypes(setup.model)}, {schedule.max_steps} steps, "
+            f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {weight_dtypes(setup.model)}, "
+            f"{schedule.max_steps} steps, "
             f"{runtime.world_size} process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU thread(s) "
             f"each [{runtime.name}]")
 
@@ -428,8 +428,10 @@ def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, tokenizer, data
 
 
 def _write_json(path: Path, values: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(values, f, indent=2)
+    # A new file renamed over the old, never the old rewritten: a push still running holds the old one's hard link.
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(values, indent=2))
+    partial.replace(path)
 
 
 def _log_interval(runtime: Runtime, output_dir: str, logs: dict[str, float], step: int) -> None:

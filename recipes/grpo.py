@@ -25,9 +25,9 @@ from finetune.errors import UserError, run_main
 from finetune.models.loading import default_chat_model_path
 from finetune.recipe import run_recipe
 from finetune.task import TaskSetup
-from finetune.tasks import causal_lm, grpo
+from finetune.tasks import causal_lm, grpo, scoring
 from finetune.tasks.grpo import GRPOArguments
-from finetune.tasks.preference import Reference, load_causal_lm
+from finetune.tasks.preference import Reference, load_causal_lm, run_precision
 from finetune.tasks.rewards import RewardPool
 
 DEFAULT_REWARD = "finetune.data.embedded.support_chats:routing_reward"
@@ -62,18 +62,18 @@ class GRPOTask(causal_lm.ChatTask):
         args, env = self.args, LaunchEnvironment.read()
         grpo.check_whole_groups(cfg.per_device_train_batch_size * env.world_size * cfg.gradient_accumulation_steps,
                                 args.num_generations)
-        grpo.check_rewards_on(args.rewards, data.train[0])
         self.run_files = tuple(f"rollout-rank{rank}.pt" for rank in range(env.world_size))  # (num_iterations > 1)
         specs = [reward.name for reward in args.rewards]
-        self.pool = RewardPool(specs, timeout=args.reward_timeout)
+        self.pool = RewardPool(specs, timeout=args.reward_timeout, passed_environment=args.reward_env)
+        scoring.check_rewards_on(self.pool, data.train[0])
         model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
-                               trust_remote_code=cfg.trust_remote_code)
+                               trust_remote_code=cfg.trust_remote_code, dtype=args.base_dtype)
         model, adapters = causal_lm.adapt_chat_model(model, args, tokenizer)
         self.rollouts = grpo.Rollouts(
             args, data.train, tokenizer, self.pool, args.weights.tolist(),
             model.generation_config.eos_token_id, world_size=env.world_size, rank=env.rank,
             per_device_batch_size=cfg.per_device_train_batch_size, accumulation_steps=cfg.gradient_accumulation_steps,
-            seed=cfg.seed, reference=Reference(model) if args.beta else None,
+            seed=cfg.seed, reference=Reference(model, precision=run_precision(cfg)) if args.beta else None,
             kept=Path(cfg.output_dir) / self.run_files[env.rank])
         self.replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
                                              SUPPORT_PROMPTS.score_replies, count=len(data.validation))
@@ -103,7 +103,7 @@ class GRPOTask(causal_lm.ChatTask):
 
     def metrics(self, outputs):
         texts = self.replies.texts(outputs[0])
-        return {**grpo.eval_rewards(self.pool, self.replies.prompted, texts, self.args.weights),
+        return {**scoring.eval_rewards(self.pool, self.replies.prompted, texts, self.args.weights),
                 **self.replies.metrics(outputs[0])}
 
     def write_predictions(self, outputs, output_dir):

@@ -7,6 +7,7 @@ The plain helpers are in ``helpers.py``.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -113,6 +114,16 @@ def tiny_chat_model(tmp_path_factory, chat_tokenizer) -> Path:
     from helpers import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_chat_model"), chat_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_without_pad_token(tmp_path_factory, chat_tokenizer) -> Path:
+    """The tiny Llama with a tokenizer that has no pad token, as Llama 3.x's and Mistral v0.3's."""
+    from helpers import save_tiny_llama
+
+    tokenizer = copy.deepcopy(chat_tokenizer)
+    tokenizer.pad_token = None
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_chat_model_no_pad"), tokenizer)
 
 
 @pytest.fixture(scope="session")

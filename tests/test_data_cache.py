@@ -151,6 +151,18 @@ def test_a_change_to_the_tokenizing_code_builds_another_cache(small_data, tmp_pa
     assert folder_of((task, cfg, tokenizer)) != before
 
 
+@pytest.mark.parametrize("library", ["transformers", "tokenizers", "jinja2", "datasets"])
+def test_another_release_of_a_tokenizing_library_builds_another_cache(small_data, library, monkeypatch):
+    """A release can render a chat template or split a text otherwise: the same inputs, other tokens."""
+    import importlib.metadata
+
+    task_cfg_tokenizer = classify(data_flags(small_data))
+    before = folder_of(task_cfg_tokenizer)
+    installed = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "99.0" if name == library else installed(name))
+    assert folder_of(task_cfg_tokenizer) != before
+
+
 # -- building and opening
 
 def test_a_cache_is_built_once_then_opened_memory_mapped(small_data, tmp_path, monkeypatch):

@@ -86,6 +86,13 @@ def test_the_default_run_rewards_the_right_team_on_tickets_it_never_saw(default_
     assert [h["step"] for h in logged] == [10, 15] and all(set(METRICS) <= h.keys() for h in logged)
 
 
+def test_a_tokenizer_without_a_pad_token_pads_and_replies_with_its_end_of_text(tiny_chat_model_without_pad_token,
+                                                                               pair_files, tmp_path):
+    out = tmp_path / "out"
+    run_on("dpo", tiny_chat_model_without_pad_token, pair_files, out, "--max_train_steps", "1", "--eval_generate", "4")
+    assert len(read_jsonl(out / "eval_generations.jsonl")) == 4 and "eval_rewards_accuracy" in read_results(out)
+
+
 def test_default_validation_prompts_are_not_in_the_training_pairs():
     data = make_preference_pairs()
     seen = {json.dumps(prompt) for prompt in data["train"]["prompt"]}
@@ -115,6 +122,17 @@ def test_the_first_step_logs_ln_2_and_zero_rewards_and_a_frozen_copy_is_the_refe
                                                "rewards_accuracy"))
     assert second["loss"] != first["loss"] and second["rewards_margin"] != 0
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
+
+
+def test_under_bf16_the_frozen_reference_runs_as_the_policy_so_the_first_rewards_are_0(tiny_model, pair_files,
+                                                                                         tmp_path):
+    """The runtime runs the policy's forward under bf16 autocast; a frozen copy run in float32 beside it gives
+    rewards (0.1 x the log-probabilities' difference) that are not 0 before any step."""
+    out = tmp_path / "out"
+    run_on("dpo", tiny_model, pair_files, out, "--max_train_steps", "1", "--no_use_lora", "--mixed_precision", "bf16",
+           "--per_device_train_batch_size", "4", launcher="python")  # (this process's Accelerator state is float32)
+    first = log_history(out)[0]
+    assert first["rewards_chosen"] == first["rewards_rejected"] == 0.0 and first["loss"] == pytest.approx(math.log(2))
 
 
 PARITY_FLAGS = ["--gradient_accumulation_steps", "2", "--num_train_epochs", "2", "--learning_rate", "1e-2"]

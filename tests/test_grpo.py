@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +73,40 @@ def test_weighted_functions_sum_and_an_unscored_completion_counts_in_no_mean_and
     mean = (1.5 + 0.0 + 1.0) / 3  # the unscored third completion is not in its group's mean
     assert result.advantages.tolist() == pytest.approx([1.5 - mean, -mean, 0.0, 1.0 - mean, 0.5, 0.5, -0.5, -0.5])
     assert result.zero_std.tolist() == [False, False]
+
+
+def test_a_completion_a_function_failed_on_has_no_reward_whatever_the_others_scored():
+    """Format and accuracy rewards; accuracy raises on the group's one correct, well-formatted completion. Scored 0
+    in its place, that completion would get the group's lowest total, 1, and a negative advantage."""
+    rewards = torch.tensor([[1.0, NAN], [1.0, 1.0], [1.0, 0.0], [1.0, 0.0]])
+    failed = torch.tensor([[0, 1], [0, 0], [0, 0], [0, 0]], dtype=torch.float64)
+    result = group_advantages(rewards, torch.tensor([1.0, 1.0]), num_generations=4, scale="none", failed=failed)
+    assert result.rewards[0].isnan() and result.rewards[1:].tolist() == [2.0, 1.0, 1.0]
+    mean = 4 / 3
+    assert result.advantages.tolist() == pytest.approx([0.0, 2 - mean, 1 - mean, 1 - mean])
+    not_failed = group_advantages(rewards, torch.tensor([1.0, 1.0]), 4, "none")  # NaN alone: it returned None
+    assert not_failed.rewards.tolist() == [1.0, 2.0, 1.0, 1.0]
+
+
+def test_a_function_s_failures_are_judged_over_the_newest_completions_and_never_fewer_than_64():
+    from finetune.tasks.rewards import RewardFailures
+    from finetune.tasks.scoring import RewardJudge
+
+    def judge(share: float) -> RewardJudge:
+        return RewardJudge(RewardFailures(["f"]), share)
+
+    judge(0.05).judge_failures(torch.tensor([1.0]), 16)  # one of a first step's 16: not 6% of the run
+    with pytest.raises(UserError, match=r"failed on 16 of the last 16 completions"):
+        judge(0.05).judge_failures(torch.tensor([16.0]), 16)  # 16 > 5% of 64
+    late = judge(0.05)
+    for _ in range(1000):
+        late.judge_failures(torch.tensor([0.0]), 16)
+    # Over the whole run 16 of 16,016 would pass; the newest 256 completions hold all 16.
+    with pytest.raises(UserError, match=r"failed on 16 of the last 256 completions .* --max_reward_failures 0.05"):
+        late.judge_failures(torch.tensor([16.0]), 16)
+    with pytest.raises(UserError, match=r"failed on 1 of the last 16"):
+        judge(0.0).judge_failures(torch.tensor([1.0]), 16)
+    assert late.failed.tolist() == [16.0]
 
 
 def test_groups_whose_rewards_are_all_equal_are_counted_and_give_no_gradient():
@@ -264,6 +300,7 @@ def test_a_rollout_plan_holds_whole_groups_in_a_row_and_repeats_a_window_for_eac
 
 REWARDS = '''
 import os
+import time
 
 
 def distinct(prompts, completions, **columns):
@@ -285,6 +322,14 @@ def kills_its_worker_on_billing(prompts, completions, team, **columns):
 
 def wrong_signature(completions):
     return [0.0] * len(completions)
+
+
+def sleeps_for_an_hour(prompts, completions, **columns):
+    time.sleep(3600)
+
+
+def reads_a_misnamed_column(prompts, completions, **columns):
+    return [None if columns.get("teams") is None else 1.0 for _ in completions]
 '''
 FLAGS = ["--max_completion_length", "8", "--num_generations", "4", "--logging_steps", "1", "--lora_dropout", "0",
          "--per_device_eval_batch_size", "16", "--learning_rate", "1e-2"]
@@ -383,6 +428,17 @@ def test_a_reward_function_that_fails_past_its_share_stops_the_run_naming_the_ro
     assert steps == [1, 2, 3] and not (out / "adapter_model.safetensors").exists(), "the steps before it kept"
 
 
+def test_rewards_that_score_nothing_are_said_at_each_step_and_stop_the_run_at_the_third(tiny_chat_model, rewards,
+                                                                                         tmp_path):
+    """A function reading a column the data lacks returns None (its "not mine") for every completion: all advantages
+    are 0, the loss is 0, and without a word the run would train nothing."""
+    result = run_on_refused(tiny_chat_model, tmp_path / "out", "--reward_funcs", f"{rewards}:reads_a_misnamed_column",
+                            "--max_train_steps", "10", "--per_device_train_batch_size", "8")
+    one_error_line(result.returncode, result.stderr, "no reward function scored any of this step's 8 completions",
+                   "3 rollouts in a row", "columns the data has")
+    assert result.stderr.count("warning: no reward function scored any") == 2
+
+
 def test_a_reward_function_that_kills_its_worker_is_counted_and_training_goes_on(
         tiny_chat_model_with_distinct_replies, rewards, tmp_path):
     out = tmp_path / "out"
@@ -396,6 +452,11 @@ def test_a_reward_function_that_kills_its_worker_is_counted_and_training_goes_on
     # Where it scored, it scored 0.5: its failures count in no mean as 0.
     scored = [h["rewards/kills_its_worker_on_billing/mean"] for h in history]
     assert all(value == 0.5 or math.isnan(value) for value in scored) and 0.5 in scored
+    # The evaluation scores its 47 replies in one call, which the dead worker fails whole: each reply failed,
+    # counted, and none has a sum (the other function's score alone is not its reward).
+    results = read_results(out)
+    assert results["eval_reward_failures/kills_its_worker_on_billing"] == 47 and "eval_reward" not in results
+    assert results["eval_reward_failures/distinct"] == 0 and results["eval_rewards/distinct/mean"] > 0
 
 
 def test_each_step_splits_its_time_into_sampling_scoring_and_training(tiny_chat_model, rewards, tmp_path):
@@ -430,6 +491,32 @@ def test_bad_input_is_refused_in_one_line_before_training(flags, expected, tiny_
     assert not out.exists()
 
 
+def test_a_reward_function_that_hangs_at_the_check_is_refused_within_its_timeout(tiny_chat_model, rewards, tmp_path):
+    out, start = tmp_path / "out", time.monotonic()
+    assert_refused("grpo", [*FLAGS, "--model_name_or_path", str(tiny_chat_model), "--output_dir", str(out),
+                            "--reward_funcs", f"{rewards}:sleeps_for_an_hour", "--reward_timeout", "3"],
+                   tmp_path, "sleeps_for_an_hour timed out after 3 s", "--reward_timeout")
+    assert time.monotonic() - start < 60 and not out.exists()
+
+
+def test_a_tokenizer_without_a_pad_token_samples_and_replies_with_its_end_of_text(tiny_chat_model_without_pad_token,
+                                                                                   rewards, tmp_path):
+    """GRPO replies to every validation prompt: without a pad token its first evaluation, before the final save,
+    would end the run."""
+    out = tmp_path / "out"
+    run_on("grpo", tiny_chat_model_without_pad_token, [], out, *FLAGS, "--reward_funcs", f"{rewards}:distinct",
+           "--max_train_steps", "1", "--per_device_train_batch_size", "8")
+    assert len(read_jsonl(out / "eval_generations.jsonl")) == 47 and "eval_reward" in read_results(out)
+
+
+def test_under_bf16_the_frozen_reference_runs_as_the_policy_so_the_first_kl_is_0(tiny_chat_model, rewards, tmp_path):
+    out = tmp_path / "out"
+    run_on("grpo", tiny_chat_model, [], out, *FLAGS, "--reward_funcs", f"{rewards}:distinct", "--beta", "0.04",
+           "--no_use_lora", "--mixed_precision", "bf16", "--max_train_steps", "1", "--per_device_train_batch_size", "8",
+           launcher="python")  # (a process of its own: this one's Accelerator state is float32)
+    assert log_history(out)[0]["kl"] == 0.0
+
+
 def test_data_of_ones_own_needs_reward_functions_of_its_own(tiny_chat_model, tmp_path):
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "What is 2 + 2?", "answer": "4"}] * 4)
     assert_refused("grpo", ["--train_file", data, "--validation_file", data, "--model_name_or_path",
@@ -447,6 +534,12 @@ def test_a_run_resumed_between_two_passes_over_a_rollout_trains_on_that_rollout(
     run_on("grpo", model, [], tmp_path / "whole", *flags, "--max_train_steps", "4")
     run_on("grpo", model, [], tmp_path / "stopped", *flags, "--max_train_steps", "1")
     assert (tmp_path / "stopped" / "rollout-rank0.pt").is_file()
+    # Resumed with another loss (grpo, not the default dapo), the kept rollout, its loss scale dapo's, is sampled again.
+    shutil.copytree(tmp_path / "stopped", tmp_path / "other_loss")
+    with pytest.warns(UserWarning, match="sampling it again"):
+        run_on("grpo", model, [], tmp_path / "other_loss", *flags, "--max_train_steps", "2", "--loss_type", "grpo",
+               "--resume_from_checkpoint", "latest")
+    assert "reward" in log_history(tmp_path / "other_loss")[1]
     run_on("grpo", model, [], tmp_path / "stopped", *flags, "--max_train_steps", "4", "--resume_from_checkpoint",
            "latest")
     whole, resumed = log_history(tmp_path / "whole"), log_history(tmp_path / "stopped")

@@ -44,7 +44,7 @@ class RecordingHub:
     def __init__(self):
         self.pushed, self.finished = [], []
 
-    def push_checkpoint(self, folder, step, config, tokenizer):
+    def push_checkpoint(self, folder, step, model, tokenizer):
         self.pushed.append(step)
 
     def finish(self, stopped_at):

@@ -323,6 +323,12 @@ class Saves:
         (Path(folder) / self.name).write_text("{}")
 
 
+class WholeModel:
+    """Stands for a model without LoRA: its config saves as ``config.json``."""
+
+    config = Saves("config.json")
+
+
 def test_the_uploader_leads_its_own_low_priority_session_and_a_dead_one_is_reported_once(hub, tmp_path, capfd,
                                                                                         monkeypatch):
     from finetune.hub.pusher import HubPusher
@@ -344,7 +350,7 @@ def test_the_uploader_leads_its_own_low_priority_session_and_a_dead_one_is_repor
         folder.mkdir(parents=True)
         for name in ("model.safetensors", "optimizer.bin", "progress.json"):
             (folder / name).write_text(f"{name} {step}")
-        pusher.push_checkpoint(folder, step, Saves("config.json"), Saves("tokenizer.json"))
+        pusher.push_checkpoint(folder, step, WholeModel(), Saves("tokenizer.json"))
         if step == 1:
             staged = tmp_path / ".hub_staging" / "step_1"
             assert sorted(p.name for p in staged.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
@@ -380,7 +386,7 @@ def test_a_sharded_checkpoint_goes_whole_to_last_checkpoint_and_resumes_from_the
         pusher = HubPusher(enabled=True, output_dir=str(tmp_path / "out"), repo_id=f"alice/sharded-{strategy}",
                            token=TOKEN, private=False, revision=None, strategy=strategy, timeout=30)
         for step in (2, 4):
-            pusher.push_checkpoint(tmp_path / "out" / "checkpoints" / f"step_{step}", step, Saves("config.json"),
+            pusher.push_checkpoint(tmp_path / "out" / "checkpoints" / f"step_{step}", step, WholeModel(),
                                    Saves("tokenizer.json"))
         assert not [push for push in pusher.finish() if "error" in push]
     assert capfd.readouterr().err.count("note: sharded (FSDP) checkpoints hold no model that loads") == 1
@@ -465,7 +471,7 @@ def test_a_checkpoint_push_deletes_what_the_last_checkpoint_held_and_its_own_doe
         write_manifest(folder, Progress(global_step=step, world_size=ranks))
         pusher = HubPusher(enabled=True, output_dir=str(tmp_path / "out"), repo_id="alice/resumed", token=TOKEN,
                            private=False, revision=None, strategy="checkpoint", timeout=30)
-        pusher.push_checkpoint(folder, step, Saves("config.json"), Saves("tokenizer.json"))
+        pusher.push_checkpoint(folder, step, WholeModel(), Saves("tokenizer.json"))
         assert not [push for push in pusher.finish() if "error" in push]
     assert [c["summary"] for c in hub.commits("alice/resumed")] == ["Training in progress, step 4",
                                                                     "Training in progress, step 8"]
@@ -504,3 +510,17 @@ def test_the_final_push_sends_the_files_as_saved_even_if_a_later_run_replaces_th
     assert hub.files("alice/outlived") == {"config.json": b"this run's config.json",
                                            "model.safetensors": b"this run's model.safetensors"}
     assert not list((out / ".hub_staging").iterdir()), "the pushed copy is gone"
+
+
+def test_all_results_is_replaced_never_rewritten_so_a_staged_push_keeps_what_it_linked(tmp_path):
+    """The final push stages hard links of the saved files; the pushes' outcomes are added to all_results.json
+    while a push left to the uploader after a stop may still read its link."""
+    from finetune.loop import _write_json
+
+    results = tmp_path / "all_results.json"
+    _write_json(results, {"global_step": 5})
+    os.link(results, tmp_path / "staged.json")
+    _write_json(results, {"global_step": 5, "hub_pushes": [{"push": 1}]})
+    assert json.loads((tmp_path / "staged.json").read_text()) == {"global_step": 5}
+    assert json.loads(results.read_text())["hub_pushes"] == [{"push": 1}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["all_results.json", "staged.json"]

@@ -82,6 +82,10 @@ def positional(text):
 
 def two(prompts, completions, **columns):
     return [1.0, 2.0]
+
+
+def sees(prompts, completions, **columns):
+    return [float(name in os.environ) for name in completions]
 '''
 
 
@@ -144,23 +148,47 @@ def test_a_spec_given_twice_is_refused(rewards):
         load_reward_funcs(specs(rewards, "length", "length"))
 
 
-def test_the_signature_check_calls_each_function_on_an_example_row(rewards):
-    good = load_reward_funcs(specs(rewards, "length", "matches"))
-    check_reward_signature(good, "What is 2 + 2?", "4", {"answer": "4"})
-    with pytest.raises(UserError, match=r"reward function .*:matches raised TypeError: matches\(\) missing 1 required "
-                                        r"positional argument: 'answer' on an example row; expected TRL's signature "
-                                        r"func\(prompts, completions, \*\*columns\) -> list of floats or None, called "
-                                        r"as func\(prompts=\[...\], completions=\[...\]\)"):
-        check_reward_signature(good, "What is 2 + 2?", "4")
-    positional, two, odd = load_reward_funcs(specs(rewards, "positional", "two", "odd"))
-    with pytest.raises(UserError, match=r"reward function .*:positional raised TypeError: positional\(\) got an "
-                                        r"unexpected keyword argument 'prompts'.*expected TRL's signature"):
-        check_reward_signature([positional], "p", "c")
-    with pytest.raises(UserError, match=r"reward function .*:two returned 2 rewards for 1 completion on an example "
-                                        r"row; expected TRL's signature"):
-        check_reward_signature([two], "p", "c")
-    with pytest.raises(UserError, match=r"reward function .*:odd returned 'abc' \(str\), not a number or None"):
-        check_reward_signature([odd], "p", "text")
+def test_the_signature_check_calls_each_function_on_an_example_row_in_the_pool(rewards):
+    with RewardPool(specs(rewards, "length", "matches"), timeout=30) as pool:
+        check_reward_signature(pool, "What is 2 + 2?", "4", {"answer": "4"})
+        with pytest.raises(UserError, match=r"reward function .*:matches raised TypeError: matches\(\) missing 1 "
+                                            r"required positional argument: 'answer' on an example row; expected "
+                                            r"TRL's signature func\(prompts, completions, \*\*columns\) -> list of "
+                                            r"floats or None, called as func\(prompts=\[...\], completions=\[...\]\)"):
+            check_reward_signature(pool, "What is 2 + 2?", "4")
+    with RewardPool(specs(rewards, "positional", "two", "odd")) as pool:
+        with pytest.raises(UserError, match=r"reward function .*:positional raised TypeError: positional\(\) got an "
+                                            r"unexpected keyword argument 'prompts'.*expected TRL's signature"):
+            check_reward_signature(pool, "p", "c")
+    with RewardPool(specs(rewards, "two")) as pool, pytest.raises(
+            UserError, match=r"reward function .*:two returned 2 rewards for 1 completion on an example row; "
+                             r"expected TRL's signature"):
+        check_reward_signature(pool, "p", "c")
+    with RewardPool(specs(rewards, "odd")) as pool, pytest.raises(
+            UserError, match=r"reward function .*:odd returned 'abc' \(str\), not a number or None"):
+        check_reward_signature(pool, "p", "text")
+
+
+def test_a_function_that_hangs_on_the_example_row_is_refused_within_the_timeout(rewards):
+    start = time.monotonic()
+    with RewardPool(specs(rewards, "length", "hang"), timeout=2) as pool, pytest.raises(
+            UserError, match=r"reward function .*:hang timed out after 2 s; its worker process was killed and "
+                             r"replaced on an example row; make it score one row within --reward_timeout"):
+        check_reward_signature(pool, "p", "hang")
+    assert time.monotonic() - start < 15  # the sleep is 60 s
+    assert worker_processes() == []
+
+
+def test_a_worker_gets_no_token_of_the_trainer_s_environment_unless_it_is_passed(rewards, monkeypatch):
+    """A reward may run model-written code: HF_TOKEN (write access to the user's models) and trackers' keys stay
+    in the trainer; a judge's key is passed by name (--reward_env)."""
+    for name in ("HF_TOKEN", "WANDB_API_KEY", "JUDGE_API_KEY"):
+        monkeypatch.setenv(name, "secret")
+    names = ["HF_TOKEN", "WANDB_API_KEY", "JUDGE_API_KEY", "PATH", "HOME"]
+    with RewardPool(specs(rewards, "sees")) as pool:
+        np.testing.assert_array_equal(pool.score([""] * 5, names).values.flatten(), [0, 0, 0, 1, 1])
+    with RewardPool(specs(rewards, "sees"), passed_environment=["JUDGE_API_KEY"]) as pool:
+        np.testing.assert_array_equal(pool.score([""] * 5, names).values.flatten(), [0, 0, 1, 1, 1])
 
 
 def test_the_pool_scores_each_function_with_none_as_nan(rewards):

@@ -243,6 +243,20 @@ def test_a_bfloat16_checkpoint_trains_float32_weights(tiny_chat_model, chat_file
     assert moved_below_bfloat16.float().mean() > 0.5
 
 
+def test_under_lora_the_base_loads_in_the_dtype_asked_and_the_adapter_trains_in_float32(tiny_chat_model, chat_files,
+                                                                                        tmp_path):
+    out = tmp_path / "out"
+    result = run_on("sft", tiny_chat_model, chat_files, out, "--dtype", "bfloat16", "--max_train_steps", "2",
+                    "--eval_generate", "2")
+    assert "weights trained in float32, frozen in bfloat16" in result.stdout
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert adapter and all(weight.dtype == torch.float32 for weight in adapter.values())
+    assert len(read_jsonl(out / "eval_generations.jsonl")) == 2
+    assert_refused("sft", [*chat_files, "--model_name_or_path", str(tiny_chat_model), "--output_dir",
+                           str(tmp_path / "full"), "--no_use_lora", "--dtype", "bfloat16"],
+                   tmp_path, "--dtype bfloat16 with --no_use_lora", "--mixed_precision bf16")
+
+
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tiny_chat_model, chat_files, tmp_path):
     """LoRA dropout on (the default 0.05): the resume restores the random state that draws its masks."""
     flags = ["--num_train_epochs", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
@@ -371,6 +385,48 @@ def test_the_hub_gets_the_adapter_the_merged_model_and_a_peft_card(hub, tiny_cha
     card = files["README.md"].decode()
     assert "library_name: peft" in card and "AutoPeftModelForCausalLM.from_pretrained(\"alice/support-chat\")" in card
     assert "eval_loss" in card and HUB_TOKEN not in card + result.stdout + result.stderr
+
+
+def test_each_push_of_a_lora_run_is_the_adapter_alone_and_loads(hub, tiny_chat_model, chat_files, tmp_path,
+                                                                 monkeypatch):
+    """A checkpoint's model.safetensors holds the adapter under peft's internal names: pushed as a model beside a
+    config.json, from_pretrained builds a randomly initialised model. Each push is the adapter as peft saves it
+    with the tokenizer, and replaces what the repository held before (here an earlier run's whole model)."""
+    from huggingface_hub import CommitOperationAdd, HfApi, constants
+    from peft import AutoPeftModelForCausalLM
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    api = HfApi(endpoint=hub.url, token=HUB_TOKEN)
+    api.create_repo("alice/lora")
+    api.create_commit("alice/lora", [CommitOperationAdd(name, b"{}") for name in
+                                     ("config.json", "model.safetensors", "notes.txt")], commit_message="another run")
+    out = tmp_path / "out"
+    run_on("sft", tiny_chat_model, chat_files, out, "--max_train_steps", "2", "--checkpointing_steps", "2",
+           "--eval_generate", "0", "--push_to_hub", "--hub_model_id", "alice/lora", "--hub_token", HUB_TOKEN,
+           launcher="python", env=hub.env)
+    commits = hub.commits("alice/lora")
+    assert [c["summary"] for c in commits] == ["another run", "Training in progress, step 2", "Final model, step 2"]
+    trained = {name.replace(".default", ""): weight
+               for name, weight in load_file(out / "checkpoints" / "step_2" / "model.safetensors").items()}
+    for commit in commits[1:]:
+        files = hub.repos["alice/lora"].commits[commit["sha"]]
+        assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "chat_template.jinja"} <= (
+            files.keys()) and not {"config.json", "model.safetensors", "notes.txt"} & files.keys(), commit
+        folder = tmp_path / commit["sha"]
+        for name, data in files.items():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(data)
+        loaded = {name.replace(".default", ""): weight for name, weight in
+                  AutoPeftModelForCausalLM.from_pretrained(folder).state_dict().items() if "lora_" in name}
+        assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained), commit
+
+
+def test_a_tokenizer_without_a_pad_token_pads_and_replies_with_its_end_of_text(tiny_chat_model_without_pad_token,
+                                                                               chat_files, tmp_path):
+    out = tmp_path / "out"
+    run_on("sft", tiny_chat_model_without_pad_token, chat_files, out, "--max_train_steps", "1", "--no_packing",
+           "--eval_generate", "4")
+    assert len(read_jsonl(out / "eval_generations.jsonl")) == 4 and read_results(out)["padding_efficiency"] < 1.0
 
 
 def test_a_full_model_saved_over_an_adapter_loads_as_itself(tiny_chat_model, chat_files, tmp_path):

@@ -84,7 +84,7 @@ class CheckpointGuard:
             self.check_finite()
             self.check_model()
             self._saved[step] = self.runtime.save_checkpoint(self.output_dir, self.progress, self.keep)
-            self.hub.push_checkpoint(self._saved[step], step, self.runtime.unwrap(self.model).config, self.tokenizer)
+            self.hub.push_checkpoint(self._saved[step], step, self.runtime.unwrap(self.model), self.tokenizer)
         return self._saved[step]
 
     def stop_if_signalled(self) -> None:

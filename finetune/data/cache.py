@@ -4,10 +4,10 @@ A task turns its raw splits into tokenized rows (``Task.tokenize``, through ``To
 happens once per *cache key*: the result stays on disk as Arrow files (token ids as int32), in a folder
 named by a hash of everything that changes a token: the raw splits (a local file by its size and a hash of
 its content, a Hub dataset by the fingerprint ``datasets`` derives from its revision), the tokenizer's files
-(its chat template included), the task and the options it names (``Task.data_options``), and the source of
-the code that tokenizes. A later run, a resume
-or a restart with the same key memory-maps the files and starts in seconds at any size; the pages are the
-OS's, shared by every process of a node, so a process's memory does not grow with the data.
+(its chat template included), the task and the options it names (``Task.data_options``), the source of
+the code that tokenizes, and the versions of the libraries that do (transformers, tokenizers, jinja2, datasets).
+A later run, a resume or a restart with the same key memory-maps the files and starts in seconds at any size;
+the pages are the OS's, shared by every process of a node, so a process's memory does not grow with the data.
 
 One process per node builds (local rank 0, under a file lock in the cache folder, so nodes that share the
 folder build it once); the others wait on a barrier with no practical time limit, then open it. A build is
@@ -25,6 +25,7 @@ import ctypes
 import errno
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -219,6 +220,7 @@ def cache_folder(task, cfg, tokenizer) -> tuple[Path, dict, datasets.DatasetDict
         "tokenizer": _tokenizer_digest(tokenizer),
         "options": task.data_options(cfg),
         "code": _code_digest(task),
+        "libraries": _library_versions(),
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root(cfg) / f"{task.name}-{digest}", parts, raw, source
@@ -384,6 +386,14 @@ def _without_call_settings(tokenizer) -> Iterator[None]:
             backend.enable_truncation(**truncation)
         if padding:
             backend.enable_padding(**padding)
+
+
+TOKENIZING_LIBRARIES = ("transformers", "tokenizers", "jinja2", "datasets")
+"""Whose release can change the tokens of the same text: a tokenizer's rules, a chat template's rendering."""
+
+
+def _library_versions() -> dict[str, str]:
+    return {name: importlib.metadata.version(name) for name in TOKENIZING_LIBRARIES}
 
 
 def _code_digest(task) -> str:

@@ -34,8 +34,11 @@ from finetune.task import ModelCardInfo
 
 __all__ = ["HubPusher", "download_last_checkpoint", "model_card"]
 
-MODEL_FILES = ["config.json", "model.safetensors", "tokenizer*", "vocab*", "special_tokens_map.json", "merges.txt"]
-"""What a checkpoint contributes to the repository's top level under ``every_save``: a loadable model."""
+TOKENIZER_FILES = ["tokenizer*", "vocab*", "special_tokens_map.json", "merges.txt", "chat_template.jinja"]
+MODEL_FILES = ["config.json", "model.safetensors", *TOKENIZER_FILES]
+"""What a checkpoint of a whole model puts at the repository's top level: a model that loads."""
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors", *TOKENIZER_FILES]
+"""What a LoRA run's checkpoint puts there: the adapter as peft saves it, which loads onto its base model."""
 LAST_CHECKPOINT = "last-checkpoint"
 
 
@@ -91,11 +94,12 @@ class HubPusher:
         self._writer = threading.Thread(target=self._write_jobs, name="hub-push-jobs", daemon=True)
         self._writer.start()
 
-    def push_checkpoint(self, folder: Path, step: int, model_config, tokenizer) -> None:
+    def push_checkpoint(self, folder: Path, step: int, model, tokenizer) -> None:
         """Queue the model at ``folder`` (``every_save``), plus the full state (``checkpoint``).
 
-        ``model_config`` and ``tokenizer`` are saved beside the weights so each pushed step loads with
-        ``from_pretrained``.
+        ``model`` (unwrapped, as it is at this checkpoint) gives its config, or with LoRA its adapter as peft saves
+        it, and ``tokenizer`` is saved beside them, so each pushed step loads with ``from_pretrained``. The push
+        replaces whatever else the repository holds: its top level is always one model that loads.
         """
         if not self.enabled or self.strategy == "end":
             return
@@ -119,26 +123,31 @@ class HubPusher:
             return
         stage = Path(folder).parent.parent / ".hub_staging" / f"step_{step}"
         shutil.rmtree(stage, ignore_errors=True)  # left by an earlier run that failed to push this step
+        # A LoRA checkpoint's model.safetensors holds the adapter under peft's internal names, which no
+        # from_pretrained reads: the adapter is saved again as peft saves it.
+        adapter = hasattr(model, "peft_config")
+        loadable = ADAPTER_FILES if adapter else MODEL_FILES
         checkpoint_files = [name for name in checkpoint_files
-                            if self.strategy == "checkpoint" or _matches(name, MODEL_FILES)]
+                            if self.strategy == "checkpoint" or (not adapter and _matches(name, MODEL_FILES))]
         for name in checkpoint_files:
             (stage / name).parent.mkdir(parents=True, exist_ok=True)
             _link_or_copy(Path(folder) / name, stage / name)
         files = []
         if whole_model:
-            model_config.save_pretrained(stage)
+            (model if adapter else model.config).save_pretrained(stage)
             tokenizer.save_pretrained(stage)
-            files = [(name, str(stage / name)) for name in _files(stage) if _matches(name, MODEL_FILES)]
+            files = [(name, str(stage / name)) for name in _files(stage) if _matches(name, loadable)]
         if self.strategy == "checkpoint":  # the checkpoint as its manifest lists it, without the loading files
             files += [(f"{LAST_CHECKPOINT}/{name}", str(stage / name)) for name in checkpoint_files]
-        self._submit(files, message, stage, replaces=LAST_CHECKPOINT if self.strategy == "checkpoint" else None)
+        self._submit(files, message, stage, keep=None)
 
     def push_final(self, output_dir: str, files: list[str], step: int) -> None:
         """Queue the final model: ``files``, the paths under ``output_dir`` that the final save wrote (the model
         card among them), and nothing else of the folder.
 
         They are pushed from hard links (``.hub_staging/final_ID``, ID this run's): a push left to the uploader after
-        a stop outlives the run and its hold on the folder, and a later run there replaces the folder's files.
+        a stop outlives the run and its hold on the folder, and a later run there replaces the folder's files. The
+        push replaces whatever else the repository holds but this run's ``last-checkpoint/``.
         """
         if not self.enabled:
             return
@@ -146,7 +155,8 @@ class HubPusher:
         for name in files:
             (stage / name).parent.mkdir(parents=True, exist_ok=True)
             _link_or_copy(Path(output_dir) / name, stage / name)
-        self._submit([(name, str(stage / name)) for name in files], f"Final model, step {step}", stage)
+        self._submit([(name, str(stage / name)) for name in files], f"Final model, step {step}", stage,
+                     keep=LAST_CHECKPOINT if self.strategy == "checkpoint" else None)
 
     def finish(self, stopped_at: Callable[[], float] = lambda: math.inf) -> list[dict]:
         """Wait for the queued pushes, then report and return every push's outcome.
@@ -203,10 +213,10 @@ class HubPusher:
         return False
 
     def _submit(self, files: list[tuple[str, str]], message: str, stage: Path | None = None,
-                replaces: str | None = None) -> None:
+                keep: str | None = None) -> None:
         self._messages.append(message)
         self._jobs.put({"push": len(self._messages), "message": message, "files": files,
-                        "stage": str(stage) if stage else None, "saved_at": time.time(), "replaces": replaces})
+                        "stage": str(stage) if stage else None, "saved_at": time.time(), "keep": keep})
 
     def _write_jobs(self) -> None:
         try:

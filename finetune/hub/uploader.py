@@ -8,8 +8,9 @@ the Hub). It imports nothing but huggingface_hub and is run by path, so it start
 
 Protocol: ``python finetune/hub/uploader.py REPO_ID TIMEOUT [REVISION]`` with the token in ``HF_TOKEN``. Each line on
 stdin is a push: ``{"push": n, "message": ..., "files": [[path_in_repo, local_path], ...], "stage": ...,
-"saved_at": ..., "replaces": FOLDER or null}``; with ``replaces``, the commit also deletes every file under
-``FOLDER/`` in the repository that the push does not hold (a checkpoint replacing another one). Each line on
+"saved_at": ..., "keep": FOLDER or null}``; the commit also deletes every file in the repository that the push
+does not hold, but ``.gitattributes`` and those under ``FOLDER/`` (the final model keeps the run's last checkpoint),
+so the repository holds one model, never another run's or checkpoint's files beside it. Each line on
 stdout is its outcome: the push number and message, ``commit_id`` and ``seconds_after_save`` (from the files
 being complete on disk to the commit), ``superseded_by`` (a checkpoint's push skipped because a newer
 checkpoint's was queued behind it), or ``error``. The process ends when stdin is
@@ -89,14 +90,13 @@ def push(api: HfApi, repo_id: str, revision: str | None, job: dict, token: str) 
 
 
 def _stale(api: HfApi, repo_id: str, revision: str | None, job: dict) -> list[CommitOperationDelete]:
-    """Deletions of the files under the job's ``replaces`` folder that it does not push: pushes only add files, and
-    a checkpoint written at another world size (or sharded otherwise) would keep the last one's leftovers, which
-    its manifest does not list."""
-    if not job.get("replaces"):
-        return []
+    """Deletions of the repository's files that the push does not hold: pushes only add files, so an adapter pushed
+    over a whole model (or a checkpoint written at another world size) would sit beside the other's leftovers,
+    and ``from_pretrained`` may load those instead."""
     pushed = {path_in_repo for path_in_repo, _ in job["files"]}
+    kept = (job["keep"] + "/",) if job.get("keep") else ()
     return [CommitOperationDelete(name) for name in api.list_repo_files(repo_id, revision=revision)
-            if name.startswith(job["replaces"] + "/") and name not in pushed]
+            if name not in pushed and name != ".gitattributes" and not name.startswith(kept)]
 
 
 def _checkpoint_step(stage: str | None) -> int | None:

@@ -12,7 +12,7 @@ from finetune.errors import UserError
 
 __all__ = ["chat_model_folder", "default_chat_model_path", "default_model_path", "dequantized_gguf_folder",
            "from_pretrained", "load_encoder_tokenizer", "load_labelled_encoder", "load_model", "optimizer_param_groups",
-           "trained_dtypes"]
+           "weight_dtypes"]
 
 CHAT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -100,9 +100,14 @@ def load_model(auto_class, name_or_path: str, **kwargs):
     return from_pretrained(auto_class, name_or_path, **{"dtype": torch.float32, **kwargs})
 
 
-def trained_dtypes(model) -> str:
-    """The dtypes of the weights the optimizer updates, for the run's start line: ``float32``."""
-    return ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad}))
+def weight_dtypes(model) -> str:
+    """The dtypes of the weights the optimizer updates and of the frozen ones, for the run's start line:
+    ``weights trained in float32`` (``, frozen in bfloat16`` under LoRA with ``--dtype bfloat16``)."""
+    def names(trained: bool) -> str:
+        return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                                if p.requires_grad == trained}))
+    frozen = names(False)
+    return f"weights trained in {names(True)}" + (f", frozen in {frozen}" if frozen else "")
 
 
 def load_encoder_tokenizer(cfg):

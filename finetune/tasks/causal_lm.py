@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import transformers
@@ -63,6 +64,9 @@ class ChatModelArguments(CausalLMArguments):
     chat_template_kwargs: str | None = arg(None, "Options for the chat template at every rendering, as JSON: "
                                                  "'{\"enable_thinking\": false}' (the evaluation's prompts too).")
     use_lora: bool = arg(True, "Train LoRA adapters only; --no_use_lora fine-tunes every weight.")
+    dtype: Literal["float32", "bfloat16", "float16"] = arg(
+        "float32", "The dtype of the frozen base weights under LoRA (TRL's --dtype): bfloat16 halves their memory, "
+                   "while the adapter trains in float32. Without LoRA every weight trains, in float32.")
     lora_r: int = arg(16, "LoRA rank.")
     lora_alpha: int = arg(32, "LoRA scaling numerator (the update is scaled by alpha / r).")
     lora_dropout: float = arg(0.05, "Dropout on the LoRA input.")
@@ -81,6 +85,9 @@ class ChatModelArguments(CausalLMArguments):
                             "give a positive number (an alpha of 0 trains an adapter that changes nothing)")
         if not 0 <= self.lora_dropout < 1:
             raise UserError(f"--lora_dropout is {self.lora_dropout}; give the share of inputs dropped, in [0, 1)")
+        if self.dtype != "float32" and not self.use_lora:
+            raise UserError(f"--dtype {self.dtype} with --no_use_lora would train every weight in {self.dtype}, where "
+                            "small updates round away; train in float32 with --mixed_precision bf16, or with LoRA")
         try:
             options = json.loads(self.chat_template_kwargs or "{}")
         except json.JSONDecodeError as err:
@@ -88,6 +95,11 @@ class ChatModelArguments(CausalLMArguments):
                             '\'{"enable_thinking": false}\'') from None
         if not isinstance(options, dict):
             raise UserError(f"--chat_template_kwargs is {type(options).__name__}; give a JSON object of options")
+
+    @property
+    def base_dtype(self) -> torch.dtype:
+        """``--dtype`` as the dtype the model loads in."""
+        return getattr(torch, self.dtype)
 
     @property
     def template_options(self) -> dict:
@@ -115,6 +127,8 @@ def load_chat_tokenizer(cfg, chat_template: str | None):
     model_path = cfg.model_name_or_path or default_chat_model_path()
     tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
     require_chat_template(tokenizer, chat_template, model_path)
+    if tokenizer.pad_token is None:  # Llama 3.x, Mistral v0.3: pad batches and generation with the end of text, as TRL
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
@@ -446,7 +460,7 @@ def greedy_replies(model, index: torch.Tensor, prompts: list[list[int]], tokeniz
               _token_budget_groups([len(prompts[i]) + max_new_tokens for _, i in wanted], max_tokens)]
     if prompts:  # a process with fewer groups than another decodes a stand-in prompt (generate keeps each in step)
         groups += [[(None, 0)]] * _passes_behind(model, len(groups), index.device)
-    pad = tokenizer.pad_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stops = torch.tensor(model.generation_config.eos_token_id, device=index.device).view(-1)
     replies = torch.full((len(index), max_new_tokens), IGNORE, device=index.device)
     for group in groups:

@@ -18,9 +18,12 @@ in the global batch.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 import json
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ import datasets
 import numpy as np
 import torch
 
+from finetune.checkpointing.checkpoint import fsync_directory
 from finetune.config import arg
 from finetune.data.batching import LENGTH, LOSS_UNITS, GlobalBatchSampler, PlannedBatch
 from finetune.data.cache import TOKEN_IDS, Tokenizing
@@ -38,19 +42,12 @@ from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
 from finetune.tasks.causal_lm import ChatModelArguments, cache_keyword, reply_log_probs
 from finetune.tasks.chat import check_conversation, render_prompts, rows_tools, without_nulls
-from finetune.tasks.rewards import (
-    RewardFailures,
-    RewardFunc,
-    RewardPool,
-    RewardScores,
-    check_reward_signature,
-    load_reward_funcs,
-)
+from finetune.tasks.rewards import RewardFailures, RewardPool, load_reward_funcs
+from finetune.tasks.scoring import RewardJudge, failed_table, reward_names, score_replies
 
 __all__ = ["LOSS_TYPES", "SCALE_REWARDS", "Advantages", "GRPOArguments", "RolloutSampler", "Rollouts",
-           "check_grpo_options", "check_rewards_on", "check_whole_groups", "completion_loss_units", "eval_rewards",
-           "group_advantages", "policy_loss", "reward_names", "sample_completions", "score_replies",
-           "tokenize_prompts"]
+           "check_grpo_options", "check_whole_groups", "completion_loss_units", "group_advantages", "policy_loss",
+           "sample_completions", "tokenize_prompts"]
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -70,9 +67,12 @@ class GRPOArguments(ChatModelArguments):
                                           "the weighted sum of those that score it.")
     reward_timeout: float = arg(60.0, "Seconds a reward function may take on a step's completions before the call "
                                       "fails (its worker is replaced).")
-    max_reward_failures: float = arg(0.05, "The share of completions a reward function may fail on (raise, hang, "
-                                           "return a wrong or non-finite value) before the run stops; failed ones "
-                                           "are left out of their group's reward, never scored 0.")
+    reward_env: list[str] = arg([], "Environment variables the reward functions' worker processes get besides the "
+                                    "basic ones (PATH, HOME, locale): an API key a judge needs. No other token "
+                                    "(HF_TOKEN, a tracker's) reaches them.")
+    max_reward_failures: float = arg(0.05, "The share of the newest 256 completions (taken of at least 64) a "
+                                           "reward function may fail on (raise, hang, return a wrong or non-finite "
+                                           "value) before the run stops; failed ones have no reward, never 0.")
     num_generations: int = arg(8, "Completions sampled per prompt: a group, whose rewards set each other's "
                                   "advantages.")
     max_completion_length: int = arg(256, "Longest completion, in tokens.")
@@ -155,19 +155,21 @@ class Advantages:
     """``[groups]``: groups whose rewards are all equal, which give no gradient."""
 
 
-def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, num_generations: int, scale: str) -> Advantages:
+def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, num_generations: int, scale: str,
+                     failed: torch.Tensor | None = None) -> Advantages:
     """Advantages of a rollout's completions from ``rewards`` ``[completions, functions]``, each group's
     ``num_generations`` completions consecutive; NaN marks a function that did not score a completion (it returned
-    None, or failed).
+    None, or failed: ``failed``, of the same shape, nonzero where it raised, timed out or lost its worker).
 
     A completion's reward is the weighted sum of the functions that scored it; its advantage is that less its
     group's mean, divided by the standard deviation of its group's rewards (``scale="group"``), of the whole
-    rollout's (``"batch"``), or not at all (``"none"``). A completion no function scored has advantage 0 and counts
-    in no mean. Give every completion of the global batch, whichever process generated it: a group's completions
+    rollout's (``"batch"``), or not at all (``"none"``). A completion no function scored, or any function failed
+    on, has advantage 0 and counts in no mean: a failure's share of the sum is unknown, and 0 in its place would
+    train on it. Give every completion of the global batch, whichever process generated it: a group's completions
     may sit on different processes.
     """
-    scored = ~rewards.isnan()
-    total = (rewards.nan_to_num() * weights).sum(1).masked_fill(~scored.any(1), math.nan)
+    unscored = rewards.isnan().all(1) if failed is None else rewards.isnan().all(1) | failed.bool().any(1)
+    total = (rewards.nan_to_num() * weights).sum(1).masked_fill(unscored, math.nan)
     grouped = total.view(-1, num_generations)
     group_mean = grouped.nanmean(1, keepdim=True)
     group_std = _nanstd(grouped, dim=1)
@@ -270,43 +272,6 @@ def tokenize_prompts(split: datasets.Dataset, tokenizer, max_length: int, name: 
                 "columns": datasets.Value("string"), "reference": datasets.Value("string"),
                 "index": datasets.Value("int32")}
     return tokenizing.map(split, encode, name, features)
-
-
-def reward_names(specs: list[str]) -> list[str]:
-    """How the logs name each reward function: its name (TRL's ``rewards/NAME/mean``), or its whole spec where two
-    functions share a name."""
-    names = [spec.rsplit(":", 1)[-1] for spec in specs]
-    return [name if names.count(name) == 1 else spec for name, spec in zip(names, specs, strict=True)]
-
-
-def score_replies(pool: RewardPool, rows: datasets.Dataset, texts: list[str]) -> RewardScores:
-    """The reward functions' scores of the replies ``texts`` to the prompts ``rows`` (of ``tokenize_prompts``), each
-    function given what TRL gives it: the prompts as the data has them, the completions (a conversation's as a list
-    holding the assistant's message) and the rows' other columns."""
-    prompts = [json.loads(p) for p in rows["prompt_messages"]]
-    replies = [text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
-               for prompt, text in zip(prompts, texts, strict=True)]
-    columns = [json.loads(c) for c in rows["columns"]]
-    return pool.score(prompts, replies, {key: [c[key] for c in columns] for key in (columns[0] if columns else ())})
-
-
-def check_rewards_on(rewards: list[RewardFunc], row: dict) -> None:
-    """Each reward function called once, here, on the first row of ``tokenize_prompts`` with an empty reply, as
-    training calls it (``finetune.tasks.rewards.check_reward_signature``: a function that cannot take the call is
-    refused before the model loads)."""
-    prompt = json.loads(row["prompt_messages"])
-    reply = "" if isinstance(prompt, str) else [{"role": "assistant", "content": ""}]
-    check_reward_signature(rewards, prompt, reply, json.loads(row["columns"]))
-
-
-def eval_rewards(pool: RewardPool, rows: datasets.Dataset, texts: list[str], weights: np.ndarray) -> dict[str, float]:
-    """``reward`` (the weighted sum) and ``rewards/NAME/mean`` of the replies ``texts`` to ``rows``, each over the
-    replies its functions scored: a failure counts in no mean, as 0 would."""
-    scores = score_replies(pool, rows, texts).values
-    totals = np.where(np.isnan(scores).all(1), np.nan, (np.nan_to_num(scores) * weights).sum(1))
-    figures = {"reward": totals, **{f"rewards/{name}/mean": scores[:, k]
-                                    for k, name in enumerate(reward_names(pool.names))}}
-    return {name: float(np.nanmean(values)) for name, values in figures.items() if not np.isnan(values).all()}
 
 
 class RolloutSampler(GlobalBatchSampler):
@@ -445,19 +410,22 @@ class Rollouts:
         self.per_device_batch_size, self.accumulation_steps = per_device_batch_size, accumulation_steps
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.failures = RewardFailures(pool.names)
+        self.judge = RewardJudge(self.failures, args.max_reward_failures, rank)
         self.names = reward_names(pool.names)
-        self.failed_everywhere = torch.zeros(len(pool.names), dtype=torch.float64)
-        self.scored_everywhere = 0
         self._rollout_figures: list[dict[str, float]] = []
         self._loss_figures = torch.zeros(4, dtype=torch.float64)
         self._training_since: float | None = None  # when the last rollout was handed to training
+        # Every option that shapes a rollout or its loss (rewards, sampling, loss type, beta): a run resumed with
+        # other ones samples again rather than train on a rollout kept under these.
+        options = {field.name: getattr(args, field.name) for field in dataclasses.fields(args) if field.init}
+        self._options_digest = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()
 
     def __call__(self, model, window: list[tuple[dict, PlannedBatch]], epoch: int) -> list[tuple[dict, PlannedBatch]]:
         """The window's micro-batches, for each of its ``num_iterations`` passes (or those a resumed run has left),
         made from one rollout."""
         one_pass = window[:self.accumulation_steps]
         passes = len(window) // self.accumulation_steps
-        key = [epoch, one_pass[0][1].window, self.world_size, self.seed]
+        key = [epoch, one_pass[0][1].window, self.world_size, self.seed, self._options_digest]
         device = next(model.parameters()).device
         self._stop_training_clock()
         micro_batches = self._kept_rollout(key, device) if passes < self.args.num_iterations else None
@@ -484,7 +452,8 @@ class Rollouts:
         scored = time.perf_counter()
         shared = self._shared(rewards, failed, completions, device)
         advantages = group_advantages(shared["rewards"], self.weights, self.args.num_generations,
-                                      self.args.scale_rewards)
+                                      self.args.scale_rewards, shared["failed"])
+        self.judge.judge_scored(advantages.rewards)
         micro_batches = self._micro_batches(model, rows, completions, shared, advantages.advantages, device,
                                             [planned for _, planned in one_pass])
         self._note_rollout(shared, advantages, sampled - started, scored - sampled)
@@ -496,7 +465,10 @@ class Rollouts:
                 for batch, planned in micro_batches]
         partial = self.kept.with_name(self.kept.name + ".partial")
         torch.save({"key": key, "micro_batches": kept}, partial)
+        with open(partial, "rb") as written:  # on disk before the checkpoint that relies on it
+            os.fsync(written.fileno())
         partial.replace(self.kept)
+        fsync_directory(self.kept.parent)
 
     def _kept_rollout(self, key: list, device: torch.device) -> list[tuple[dict, PlannedBatch]] | None:
         """The rollout a run resumed between two passes over it trains on, if this process kept it; else None (the
@@ -533,10 +505,7 @@ class Rollouts:
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         scores = score_replies(self.pool, self.prompts.select(rows), texts)
         self.failures.add(scores, rows=[row + 1 for row in rows])
-        failed = np.zeros(scores.values.shape)
-        for failure in scores.failures:
-            failed[failure.row, self.pool.names.index(failure.name)] = 1
-        return scores.values, failed
+        return scores.values, failed_table(scores, self.pool)
 
     def _shared(self, rewards: np.ndarray, failed: np.ndarray, completions: list[list[int]], device: torch.device
                 ) -> dict:
@@ -556,25 +525,11 @@ class Rollouts:
         table[positions] = torch.from_numpy(local)
         table = all_reduce_sum(table.to(device)).cpu()  # each row is one process's; the others add zeros
         functions = rewards.shape[1]
-        shared = {"rewards": table[:, :functions], "lengths": table[:, -3], "truncated": table[:, -2],
-                  "units": table[:, -1], "positions": positions, "mask": mask}
-        self._check_failures(table[:, functions:2 * functions].sum(0), len(table))
+        shared = {"rewards": table[:, :functions], "failed": table[:, functions:2 * functions],
+                  "lengths": table[:, -3], "truncated": table[:, -2], "units": table[:, -1], "positions": positions,
+                  "mask": mask}
+        self.judge.judge_failures(shared["failed"].sum(0), len(table))
         return shared
-
-    def _check_failures(self, failed: torch.Tensor, scored: int) -> None:
-        """Stop past ``--max_reward_failures`` of a function's completions over every process; the process that saw
-        the failure names its row and exception."""
-        self.failed_everywhere += failed
-        self.scored_everywhere += scored
-        share = self.failed_everywhere / self.scored_everywhere
-        over = torch.nonzero(share > self.args.max_reward_failures).flatten().tolist()
-        if not over:
-            return
-        self.failures.check(0.0)  # this process's own failures, named
-        name = self.pool.names[over[0]]
-        raise UserError(f"reward function {name} failed on {int(self.failed_everywhere[over[0]])} of "
-                        f"{self.scored_everywhere} completions over all processes, more than --max_reward_failures "
-                        f"{self.args.max_reward_failures:g}; the error line of the process that saw it names the row")
 
     def _micro_batches(self, model, rows: list[int], completions: list[list[int]], shared: dict,
                        advantages: torch.Tensor, device: torch.device, planned: list[PlannedBatch]
@@ -659,6 +614,6 @@ class Rollouts:
                      "clip_ratio/region": (low + high) / tokens})
         if self.args.beta:
             logs["kl"] = kl / tokens
-        logs.update({f"reward_failures/{name}": float(self.failed_everywhere[k]) for k, name in enumerate(self.names)})
+        logs.update({f"reward_failures/{name}": float(self.judge.failed[k]) for k, name in enumerate(self.names)})
         self._rollout_figures, self._loss_figures = [], torch.zeros(4, dtype=torch.float64)
         return logs

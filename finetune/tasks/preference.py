@@ -39,8 +39,7 @@ from finetune.tasks.chat import check_conversation, render_last_reply, rows_tool
 __all__ = ["LOSS_TYPES", "PAIR_FIGURES", "Precomputation", "PromptRepliesCollator", "Reference",
            "check_loss_options", "dpo_loss", "is_adapter_folder", "load_causal_lm", "load_policy_and_reference",
            "pair_figures", "pair_log_probs", "pair_metrics", "precomputed_reference", "preference_layout",
-           "preview_pairs", "read_pairs",
-           "reference_key", "tokenize_pairs", "write_pair_predictions"]
+           "preview_pairs", "read_pairs", "reference_key", "run_precision", "tokenize_pairs", "write_pair_predictions"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
 
@@ -288,14 +287,24 @@ class Precomputation:
     key: str
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def run_precision(cfg) -> str:
+    """The run's mixed precision as the runtimes take it: the flag, else accelerate launch's configuration."""
+    return cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+
+
 class Reference:
     """The reference model: with LoRA, the policy itself with its adapters switched off; without, a frozen copy
-    of the policy as it was given. Either runs in eval mode (no dropout), under ``no_grad``. With a
+    of the policy as it was given, run under the autocast of the run's ``precision`` as the runtime runs the
+    policy (else the two differ at step 0). Either runs in eval mode (no dropout), under ``no_grad``. With a
     ``precomputation``, training batches read their reference from a table computed once."""
 
-    def __init__(self, model, precomputation: Precomputation | None = None):
+    def __init__(self, model, precomputation: Precomputation | None = None, precision: str = "no"):
         self.frozen = None if hasattr(model, "disable_adapter") else copy.deepcopy(model).eval().requires_grad_(False)
         self.precomputation, self.table = precomputation, None
+        self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
 
     def training_log_probs(self, policy, batch: dict, index: torch.Tensor) -> torch.Tensor:
         """``[pairs, 2]``: the reference of a training batch whose pairs are ``index``, live or from the
@@ -324,7 +333,8 @@ class Reference:
         """The reference, in eval mode, while the block runs: ``policy`` (may be wrapped) with its adapters off, or
         the frozen copy on ``device``."""
         if self.frozen is not None:
-            yield self.frozen.to(device)
+            with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+                yield self.frozen.to(device)
             return
         # On the unwrapped model: a DDP wrapper would hide peft's switch (and need no gradient hooks here).
         inner = unwrap(policy)
@@ -385,11 +395,10 @@ def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set
         UserError: the model cannot be loaded.
     """
     name = cfg.model_name_or_path or default_chat_model_path()
-    model = load_causal_lm(name, trust_remote_code=cfg.trust_remote_code)
+    model = load_causal_lm(name, trust_remote_code=cfg.trust_remote_code, dtype=args.base_dtype)
     precomputation = None
+    precision = run_precision(cfg)
     if args.precompute_ref_log_probs:
-        # The precision as the runtimes take it: the flag, else accelerate launch's configuration.
-        precision = cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
         precomputation = Precomputation(train_set, collate, cfg.per_device_eval_batch_size,
                                         args.per_device_eval_max_tokens, table_path,
                                         key=reference_key(model, precision, data_folder))
@@ -398,7 +407,7 @@ def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set
         f"from {name} folded into its base model (the saved adapter applies to that model; --merge_lora also saves "
         "one that stands alone)")
     summary = [f"{'precomputed' if precomputation else 'live'} reference", adapters, folded]
-    return model, Reference(model, precomputation), ", ".join(filter(None, summary))
+    return model, Reference(model, precomputation, precision), ", ".join(filter(None, summary))
 
 
 def is_adapter_folder(name_or_path: str) -> bool:

@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -47,6 +47,10 @@ __all__ = ["SIGNATURE", "FailureCount", "RewardFailure", "RewardFailures", "Rewa
            "RewardScores", "check_reward_signature", "load_reward_funcs"]
 
 SIGNATURE = "func(prompts, completions, **columns) -> list of floats or None"
+WORKER_ENVIRONMENT = ("PATH", "LD_LIBRARY_PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ",
+                      "TMPDIR", "TERM", "VIRTUAL_ENV", "CONDA_PREFIX", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+"""What a reward worker gets of the trainer's environment (and ``LC_*``, ``PYTHON*``): no token (``HF_TOKEN``, a
+tracker's key) reaches a function that may run model-written code, unless the pool is told to pass it."""
 STARTUP_TIMEOUT = 120.0
 """Seconds a worker may take to import the reward modules (a verifier may load a computer algebra system)."""
 IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
@@ -198,28 +202,29 @@ def _outcomes(result: Any, count: int) -> list[float | None | str] | str:
     return [_outcome(value) for value in result]
 
 
-def check_reward_signature(funcs: Iterable[RewardFunc], prompt: Any, completion: Any,
-                           row: Mapping[str, Any] | None = None) -> None:
-    """Call each function once here on one example row (``prompt``, ``completion`` and the row's other columns
-    ``row``), as training will call it on a batch, so that a function that cannot run fails before training starts.
+def check_reward_signature(pool: RewardPool, prompt: Any, completion: Any, row: Mapping[str, Any] | None = None
+                           ) -> None:
+    """Call each of ``pool``'s functions once on one example row (``prompt``, ``completion`` and the row's other
+    columns ``row``), as training will call it on a batch, so that a function that cannot run fails before training
+    starts. The call runs in the pool's workers under its timeout: a function that hangs fails too.
 
     Raises:
-        UserError: naming the function, when it raises (what it raised), or does not return one number or None.
+        UserError: naming the first function that failed, and how (it raised, hung, killed its worker, or did not
+            return one number or None).
     """
     columns = {name: [value] for name, value in (row or {}).items()}
-    called = f"called as func(prompts=[...], completions=[...]{''.join(f', {name}=[...]' for name in columns)})"
-    for reward in funcs:
-        try:
-            result = reward.func(prompts=[prompt], completions=[completion], **columns)
-        except (Exception, SystemExit) as err:
-            hint = (f"expected TRL's signature {SIGNATURE}, {called}" if isinstance(err, TypeError)
-                    else "fix the function so that it scores this row")
-            raise UserError(f"reward function {reward.name} {_raised(err)} on an example row; {hint}") from None
-        outcomes = _outcomes(result, 1)
-        reason = outcomes if isinstance(outcomes, str) else next((o for o in outcomes if isinstance(o, str)), None)
-        if reason is not None:
-            raise UserError(f"reward function {reward.name} {reason} on an example row; expected TRL's signature "
-                            f"{SIGNATURE}")
+    failures = pool.score([prompt], [completion], columns).failures
+    if not failures:
+        return
+    failure = failures[0]
+    if failure.reason.startswith(("raised TypeError", "returned")):
+        called = f"called as func(prompts=[...], completions=[...]{''.join(f', {n}=[...]' for n in columns)})"
+        hint = f"expected TRL's signature {SIGNATURE}, {called}"
+    elif failure.reason.startswith("timed out"):
+        hint = "make it score one row within --reward_timeout, or give a longer --reward_timeout"
+    else:
+        hint = "fix the function so that it scores this row"
+    raise UserError(f"reward function {failure.name} {failure.reason} on an example row; {hint}")
 
 
 @dataclass(frozen=True)
@@ -266,8 +271,9 @@ class RewardPool:
     """Worker processes that score completions with the reward functions ``specs``; use it as a context manager.
 
     Each worker imports every function, so ``workers`` of them (one per function by default) run different
-    functions on the same batch at once. A call that takes more than ``timeout`` seconds fails and its worker is
-    killed and replaced; so is one whose worker dies. Workers die with the thread that started them (Linux's
+    functions on the same batch at once. A worker gets ``WORKER_ENVIRONMENT``'s part of this process's environment
+    and the variables named in ``passed_environment``. A call that takes more than ``timeout`` seconds fails and its
+    worker is killed and replaced; so is one whose worker dies. Workers die with the thread that started them (Linux's
     parent-death signal), so start and use the pool from one thread that lives as long as it.
 
     Raises:
@@ -275,13 +281,17 @@ class RewardPool:
             ``STARTUP_TIMEOUT`` seconds.
     """
 
-    def __init__(self, specs: Sequence[str], workers: int | None = None, timeout: float = 60.0):
+    def __init__(self, specs: Sequence[str], workers: int | None = None, timeout: float = 60.0,
+                 passed_environment: Sequence[str] = ()):
         if not specs:
             raise ValueError("RewardPool needs at least one reward function")
         if (workers is not None and workers < 1) or not timeout > 0:
             raise ValueError(f"RewardPool needs workers >= 1 and a timeout > 0, not {workers} and {timeout}")
         self.names = list(specs)
         self.timeout = timeout
+        passed = (*WORKER_ENVIRONMENT, *passed_environment)
+        self._environment = {name: value for name, value in os.environ.items()
+                             if name in passed or name.startswith(("LC_", "PYTHON"))}
         self._init = {"specs": [_resolved(spec) for spec in specs], "sys_path": list(sys.path),
                       "pythonpath": os.environ.get("PYTHONPATH"), "parent": os.getpid()}
         self._selector = selectors.DefaultSelector()
@@ -378,7 +388,8 @@ class RewardPool:
     def _start(self) -> _Worker:
         # -m finds this package by the PYTHONPATH given here; the worker then takes this process's sys.path and
         # PYTHONPATH, so that it imports the reward modules as this process did.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_IMPORT_ROOT, os.environ.get("PYTHONPATH")]))}
+        env = {**self._environment,
+               "PYTHONPATH": os.pathsep.join(filter(None, [_IMPORT_ROOT, os.environ.get("PYTHONPATH")]))}
         process = subprocess.Popen([sys.executable, "-m", "finetune.tasks.rewards"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, env=env)
         worker = _Worker(process, deadline=time.monotonic() + STARTUP_TIMEOUT)
