@@ -27,7 +27,7 @@ from finetune.recipe import run_recipe
 from finetune.task import TaskSetup
 from finetune.tasks import causal_lm, grpo, scoring
 from finetune.tasks.grpo import GRPOArguments
-from finetune.tasks.preference import Reference, load_causal_lm, run_precision
+from finetune.tasks.preference import Reference, load_causal_lm
 from finetune.tasks.rewards import RewardPool
 
 DEFAULT_REWARD = "finetune.data.embedded.support_chats:routing_reward"
@@ -73,7 +73,7 @@ class GRPOTask(causal_lm.ChatTask):
             args, data.train, tokenizer, self.pool, args.weights.tolist(),
             model.generation_config.eos_token_id, world_size=env.world_size, rank=env.rank,
             per_device_batch_size=cfg.per_device_train_batch_size, accumulation_steps=cfg.gradient_accumulation_steps,
-            seed=cfg.seed, reference=Reference(model, precision=run_precision(cfg)) if args.beta else None,
+            seed=cfg.seed, reference=Reference(model, precision=causal_lm.run_precision(cfg)) if args.beta else None,
             kept=Path(cfg.output_dir) / self.run_files[env.rank])
         self.replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
                                              SUPPORT_PROMPTS.score_replies, count=len(data.validation))

@@ -33,6 +33,7 @@ from finetune.tasks.causal_lm import (
     adapt_chat_model,
     label_log_probs,
     language_model_collators,
+    run_precision,
     summed_log_probs,
 )
 from finetune.tasks.chat import preview_rows, split_conversations, tokenize_conversations
@@ -69,7 +70,8 @@ class SFTTask(ChatTask):
     def setup(self, cfg, tokenizer, data):
         self.replies = EvalReplies(data.validation, tokenizer, self.args, data.info["answers"],
                                    SUPPORT_CHATS.score_replies)
-        collate, eval_collate, packed, flash = language_model_collators(tokenizer, self.args.packing)
+        collate, eval_collate, packed, flash = language_model_collators(tokenizer, self.args.packing,
+                                                                        run_precision(cfg) != "no")
         model = load_model(transformers.AutoModelForCausalLM, cfg.model_name_or_path or default_chat_model_path(),
                            trust_remote_code=cfg.trust_remote_code, dtype=self.args.base_dtype,
                            **({"attn_implementation": "flash_attention_2"} if flash else {}))

@@ -170,13 +170,13 @@ def test_a_packed_batch_on_the_gpu_gives_each_token_the_loss_it_has_alone(dtype)
     from finetune.tasks.causal_lm import label_log_probs, language_model_collators
     from finetune.tasks.chat import IGNORE
 
-    collate, _, packed, flash = language_model_collators(None, packing=True)  # the packed collator needs no tokenizer
+    # (the packed collator needs no tokenizer; flash-attention's kernels take bf16, not float32)
+    collate, _, packed, flash = language_model_collators(None, packing=True, half_precision=dtype == torch.bfloat16)
     assert packed
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          initializer_range=0.2)
-    flash = flash and dtype == torch.bfloat16
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="flash_attention_2" if flash
                                              else "sdpa")
     model = model.cuda().eval()

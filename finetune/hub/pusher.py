@@ -139,7 +139,7 @@ class HubPusher:
             files = [(name, str(stage / name)) for name in _files(stage) if _matches(name, loadable)]
         if self.strategy == "checkpoint":  # the checkpoint as its manifest lists it, without the loading files
             files += [(f"{LAST_CHECKPOINT}/{name}", str(stage / name)) for name in checkpoint_files]
-        self._submit(files, message, stage, keep=None)
+        self._submit(files, message, stage)
 
     def push_final(self, output_dir: str, files: list[str], step: int) -> None:
         """Queue the final model: ``files``, the paths under ``output_dir`` that the final save wrote (the model

@@ -33,7 +33,7 @@ from finetune.tasks.chat import IGNORE, end_of_turn_ids, require_chat_template, 
 
 __all__ = ["CausalLMArguments", "ChatModelArguments", "ChatTask", "EvalReplies", "adapt_chat_model", "cache_keyword",
            "chat_model_card", "check_output_layer", "decode_replies", "greedy_replies", "label_log_probs",
-           "language_model_collators", "load_chat_tokenizer", "reply_log_probs", "save_chat_model",
+           "language_model_collators", "load_chat_tokenizer", "reply_log_probs", "run_precision", "save_chat_model",
            "shared_prompt_log_probs", "split_by_tokens", "summed_log_probs", "summed_reply_log_probs"]
 
 LOGITS_PER_CHUNK = 2**24
@@ -210,16 +210,23 @@ def save_chat_model(model, state_dict: dict, tokenizer, output_dir: str, args: C
         save_model(model, state_dict, tokenizer, output_dir)
 
 
-def language_model_collators(tokenizer, packing: bool | None) -> tuple:
+def run_precision(cfg) -> str:
+    """The run's mixed precision as the runtimes take it: the flag, else accelerate launch's configuration."""
+    return cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+
+
+def language_model_collators(tokenizer, packing: bool | None, half_precision: bool = False) -> tuple:
     """``(train collate, eval collate, packed, flash)`` for tokenized rows with labels.
 
     ``packing=None`` takes the faster batches for the device: packed where flash-attention's variable-length
-    kernels run (a GPU with flash-attn installed), else padded. Without those kernels a packed row's
+    kernels run (a GPU with flash-attn installed, and ``half_precision``: they take no float32, in which the
+    weights load), else padded. Without those kernels a packed row's
     attention spans the whole row under a block mask (SDPA's math path on a CPU), slower than padded batches
     grouped by length (``bench/results/sft.md``). ``flash`` says the model should load with
     ``attn_implementation="flash_attention_2"``. Evaluation batches are always padded, one row per example.
     """
-    flash_available = torch.cuda.is_available() and transformers.utils.is_flash_attn_2_available()
+    flash_available = (half_precision and torch.cuda.is_available()
+                       and transformers.utils.is_flash_attn_2_available())
     packed = flash_available if packing is None else packing
     flash = packed and flash_available
     padded = transformers.DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE)

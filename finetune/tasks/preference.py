@@ -33,13 +33,13 @@ from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.distributed.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
 from finetune.models.loading import default_chat_model_path, load_model
-from finetune.tasks.causal_lm import adapt_chat_model, shared_prompt_log_probs, summed_reply_log_probs
+from finetune.tasks.causal_lm import adapt_chat_model, run_precision, shared_prompt_log_probs, summed_reply_log_probs
 from finetune.tasks.chat import check_conversation, render_last_reply, rows_tools, without_nulls
 
 __all__ = ["LOSS_TYPES", "PAIR_FIGURES", "Precomputation", "PromptRepliesCollator", "Reference",
            "check_loss_options", "dpo_loss", "is_adapter_folder", "load_causal_lm", "load_policy_and_reference",
            "pair_figures", "pair_log_probs", "pair_metrics", "precomputed_reference", "preference_layout",
-           "preview_pairs", "read_pairs", "reference_key", "run_precision", "tokenize_pairs", "write_pair_predictions"]
+           "preview_pairs", "read_pairs", "reference_key", "tokenize_pairs", "write_pair_predictions"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
 
@@ -288,11 +288,6 @@ class Precomputation:
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def run_precision(cfg) -> str:
-    """The run's mixed precision as the runtimes take it: the flag, else accelerate launch's configuration."""
-    return cfg.mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
 
 
 class Reference:
