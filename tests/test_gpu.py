@@ -202,14 +202,16 @@ def test_a_packed_batch_on_the_gpu_gives_each_token_the_loss_it_has_alone(dtype)
 
 
 def test_sft_with_lora_in_bf16_trains_packed_and_padded(tmp_path):
-    """The chat recipe on this GPU in bf16 with LoRA, both ways it batches: each trains its 4 steps to finite
-    losses, evaluates and writes its 8 replies and its adapter (the packing itself is checked token by token
-    above). The model is a stand-in with random weights, so no accuracy is checked."""
-    for batches, kind in (("--packing", "packed batches"), ("--no_packing", "padded batches")):
-        out = tmp_path / batches.strip("-")
-        result = run(accelerate_cmd(batches, "--max_train_steps", "4", "--logging_steps", "1", "--eval_generate", "8",
+    """The chat recipe on this GPU in bf16 with LoRA, both ways it batches, and with the frozen base in bf16
+    (``--dtype bfloat16``): each trains its 4 steps to finite losses, evaluates and writes its 8 replies and its
+    adapter (the packing itself is checked token by token above). The model is a stand-in with random weights, so
+    no accuracy is checked."""
+    for flags, said in ((["--packing"], "packed batches"), (["--no_packing"], "padded batches"),
+                        (["--no_packing", "--dtype", "bfloat16"], "weights trained in float32, frozen in bfloat16")):
+        out = tmp_path / "-".join(flag.strip("-") for flag in flags)
+        result = run(accelerate_cmd(*flags, "--max_train_steps", "4", "--logging_steps", "1", "--eval_generate", "8",
                                     "--output_dir", str(out), **ONE_GPU, script=SFT), timeout=600)
-        assert kind in result.stdout
+        assert said in result.stdout
         assert [h["step"] for h in log_history(out)] == [1, 2, 3, 4]
         assert all(math.isfinite(h["loss"]) for h in log_history(out))
         assert math.isfinite(read_results(out)["eval_loss"])
