@@ -168,7 +168,9 @@ def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, num_generatio
     train on it. Give every completion of the global batch, whichever process generated it: a group's completions
     may sit on different processes.
     """
-    unscored = rewards.isnan().all(1) if failed is None else rewards.isnan().all(1) | failed.bool().any(1)
+    unscored = rewards.isnan().all(1)
+    if failed is not None:
+        unscored |= failed.bool().any(1)
     total = (rewards.nan_to_num() * weights).sum(1).masked_fill(unscored, math.nan)
     grouped = total.view(-1, num_generations)
     group_mean = grouped.nanmean(1, keepdim=True)

@@ -17,7 +17,7 @@ from finetune.errors import UserError
 from finetune.tasks.rewards import RewardFailures, RewardPool, RewardScores, check_reward_signature
 
 __all__ = ["FAILURE_WINDOW", "MIN_JUDGED", "UNSCORED_ROLLOUTS", "RewardJudge", "check_rewards_on", "eval_rewards",
-           "reward_names", "score_replies"]
+           "failed_table", "reward_names", "score_replies"]
 
 FAILURE_WINDOW = 256
 """Completions (the newest rollouts', over every process) over which ``--max_reward_failures`` judges a function: a
