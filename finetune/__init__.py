@@ -2,9 +2,10 @@
 
 The core, here: ``errors`` (the one-line refusals and the entry point), ``environment`` (what the launcher set),
 ``config`` (options, YAML and command line), ``task`` (what a recipe plugs in), ``loop`` (the shared training loop),
-``evaluation`` (its exact evaluation) and ``recipe`` (a recipe's command line around it). The rooms, each a
-sub-package that says what it may import, from the top down: ``runtimes`` and ``tasks``; ``models``, ``hub`` and
-``observability``; ``distributed`` and ``data``; ``checkpointing``. Importing the package loads none of them, so a
+``evaluation`` (its exact evaluation), ``recipe`` (a recipe's command line around it) and ``cli`` (the ``finetune``
+command, the launchers that show a refusal once). The rooms, each a sub-package that says what it may import, from
+the top down: ``runtimes`` and ``tasks``; ``models``, ``hub`` and ``observability``; ``distributed`` and ``data``;
+``checkpointing``. Importing the package loads none of them, so a
 recipe checks its flags before the loop and its libraries load.
 """
 

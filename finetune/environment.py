@@ -41,6 +41,9 @@ class LaunchEnvironment:
     exit_status_file: str | None = None
     """Where the main process writes its exit status (``FINETUNE_EXIT_STATUS_FILE``), for a batch script that sees
     only its launcher's: ``launch/slurm.sbatch`` requeues a stopped job only if it saved its checkpoint."""
+    report_dir: str | None = None
+    """Where every process writes how it ended early (``FINETUNE_REPORT_DIR``), set by ``finetune launch`` and
+    ``finetune torchrun``, which then show a refusal once in place of the launcher's report."""
 
     @classmethod
     def read(cls) -> LaunchEnvironment:
@@ -63,4 +66,5 @@ class LaunchEnvironment:
             slurm_cluster=env.get("SLURM_CLUSTER_NAME", ""),
             torchrun_run_id=env.get("TORCHELASTIC_RUN_ID", ""),
             exit_status_file=env.get("FINETUNE_EXIT_STATUS_FILE") or None,
+            report_dir=env.get("FINETUNE_REPORT_DIR") or None,
         )

@@ -128,6 +128,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         if resume_from:
             progress = resumed_progress(read_progress(resume_from), progress, resume_from, sampler.batches_per_rank)
             runtime.load_state(resume_from)
+            getattr(task, "load_state_dict", lambda state: None)(progress.task_state)
             runtime.print(f"resumed from {resume_from} at step {progress.global_step}")
         progress.launch_id = launch
         if runtime.is_main_process:  # only now that the run has all it needs may it remove what it replaces
@@ -140,7 +141,8 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             tqdm(total=schedule.max_steps, initial=progress.global_step, disable=not runtime.is_main_process))
         guard = CheckpointGuard(runtime, model, progress, stop, hub, output_dir=cfg.output_dir,
                                 checkpoints_total_limit=cfg.checkpoints_total_limit, learning_rate=cfg.learning_rate,
-                                tokenizer=tokenizer, before_stop=progress_bar.close)
+                                tokenizer=tokenizer, before_stop=progress_bar.close,
+                                task_state=getattr(task, "state_dict", dict))
         evaluation = Evaluation(runtime, task, model, eval_loader, before_batch=guard.stop_if_signalled)
         epochs = Epochs(runtime, task, cfg, model, optimizer, scheduler, sampler, train_loader, progress, guard,
                         evaluation, progress_bar, schedule.max_steps,

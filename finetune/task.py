@@ -110,6 +110,13 @@ class Task(Protocol):
         several that reuse one rollout) to the micro-batches that train, each with its loss units and scale, known
         only once the completions are. ``model`` is unwrapped; every process calls it for the same windows."""
 
+    def state_dict(self) -> dict:
+        """Optional: what the task keeps across steps besides the model (GRPO's reward-failure counters), as JSON
+        values the same on every process, for a checkpoint."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Optional: take back a checkpoint's ``state_dict()`` (``{}`` from a checkpoint without one)."""
+
     def interval_logs(self) -> dict[str, float]:
         """Optional: the task's own figures of the logging interval that ends (the same on every process, which
         all call it)."""

@@ -63,8 +63,7 @@ class GRPOTask(causal_lm.ChatTask):
         grpo.check_whole_groups(cfg.per_device_train_batch_size * env.world_size * cfg.gradient_accumulation_steps,
                                 args.num_generations)
         self.run_files = tuple(f"rollout-rank{rank}.pt" for rank in range(env.world_size))  # (num_iterations > 1)
-        specs = [reward.name for reward in args.rewards]
-        self.pool = RewardPool(specs, timeout=args.reward_timeout, passed_environment=args.reward_env)
+        self.pool = RewardPool(args.reward_funcs, timeout=args.reward_timeout, passed_environment=args.reward_env)
         scoring.check_rewards_on(self.pool, data.train[0])
         model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
                                trust_remote_code=cfg.trust_remote_code, dtype=args.base_dtype)
@@ -85,7 +84,7 @@ class GRPOTask(causal_lm.ChatTask):
             raise UserError(f"{len(train_set)} training prompts are fewer than a step's {sampler.prompts_per_window}; "
                             "lower --per_device_train_batch_size or --gradient_accumulation_steps, or add prompts")
         summary = [f"{args.num_generations} completions a prompt, --loss_type {args.loss_type}, rewards: "
-                   + ", ".join(specs), adapters]
+                   + ", ".join(args.reward_funcs), adapters]
         return TaskSetup(train_set, TokenizedDataset(data.validation, ["index"]), _indices, model, sampler=sampler,
                          summary=", ".join(filter(None, summary)))
 
@@ -97,6 +96,13 @@ class GRPOTask(causal_lm.ChatTask):
 
     def interval_logs(self):
         return self.rollouts.interval_logs()
+
+    def state_dict(self):
+        return {"reward_judge": self.rollouts.judge.state_dict()}
+
+    def load_state_dict(self, state):
+        if state:  # (a checkpoint from before the judge's counters were kept has none)
+            self.rollouts.judge.load_state_dict(state["reward_judge"])
 
     def eval_outputs(self, model, batch):
         return (self.replies.generate(model, batch["index"]),)

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import FAST_FLAGS, assert_refused, one_error_line, python_cmd, run, snapshot, train_here, write_csv
+from helpers import (
+    CPU_DDP_CONFIG,
+    FAST_FLAGS,
+    assert_refused,
+    free_port,
+    one_error_line,
+    python_cmd,
+    recipe_path,
+    run,
+    snapshot,
+    train_here,
+    write_csv,
+)
 
 
 @pytest.fixture
@@ -116,3 +129,38 @@ def test_refused_runs_leave_a_prior_model_untouched_and_overwrite_replaces_it(tm
     replaced = snapshot(out)
     assert replaced["model.safetensors"] != saved["model.safetensors"], "the new run's model replaced the old one"
     assert (out / "notes.txt").read_text() == "the user's own file"
+
+
+FINETUNE = [sys.executable, "-m", "finetune.cli"]  # the `finetune` command
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("launcher", "processes"), [("launch", 1), ("launch", 2), ("torchrun", 2)])
+def test_under_finetune_launch_and_torchrun_a_refusal_is_one_line_and_status_2_from_every_process(
+        tmp_path, files, launcher, processes):
+    """Plain ``accelerate launch`` and ``torchrun`` follow the line with their traceback and report of the failed
+    processes, and exit 1; their ``finetune`` forms run them in-process and show what the processes reported."""
+    options = (["--config_file", CPU_DDP_CONFIG, "--num_processes", str(processes)] if launcher == "launch" else
+               ["--nproc_per_node", str(processes)])
+    options += [f"--{'main_process' if launcher == 'launch' else 'master'}_port", str(free_port())]
+    before = snapshot(tmp_path)
+    result = run([*FINETUNE, launcher, *options, recipe_path(), *data(files, train=str(tmp_path / "nope.csv")),
+                  *FAST_FLAGS], check=False)
+    line = one_error_line(result.returncode, result.stderr, "nope.csv: no such file")
+    assert result.stderr.strip().splitlines()[-1] == line and "[rank" not in result.stderr
+    assert "ChildFailedError" not in result.stderr and "exitcode" not in result.stderr
+    assert snapshot(tmp_path) == before, "nothing already on disk changed"
+
+
+def test_any_other_failure_under_finetune_torchrun_shows_the_launchers_report_and_its_status(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text("raise RuntimeError('not a refusal')\n")
+    result = run([*FINETUNE, "torchrun", "--nproc_per_node", "1", "--master_port", str(free_port()), str(script)],
+                 check=False)
+    assert result.returncode == 1 and "RuntimeError: not a refusal" in result.stderr
+    assert "ChildFailedError" in result.stderr and "exitcode  : 1" in result.stderr, result.stderr[-3000:]
+
+
+def test_the_finetune_command_names_its_commands():
+    result = run([*FINETUNE, "train"], check=False)
+    assert result.returncode == 2 and result.stderr.splitlines()[-1] == "error: name a command, launch or torchrun"

@@ -151,12 +151,15 @@ def test_a_recipe_s_own_float_option_is_checked_finite_at_flag_time(flag, value)
         parse_config(dpo.DPOArguments, [f"--{flag}", value])
 
 
-def test_dpo_trains_without_lora_dropout_unless_asked_as_trl_s_dpo_does():
-    """TRL's DPOTrainer turns dropout off (``disable_dropout``); the chat recipe keeps LoRA's 0.05."""
-    dpo = load_recipe("dpo").DPOArguments
+def test_dpo_and_grpo_train_without_lora_dropout_unless_asked_as_trl_does():
+    """TRL's DPOTrainer turns dropout off (``disable_dropout``), and GRPO's old log-probabilities are taken in eval
+    mode, so dropout in training would make a rollout's first pass off-policy; the chat recipe keeps LoRA's 0.05."""
+    dpo, grpo = load_recipe("dpo").DPOArguments, load_recipe("grpo")
+    rewards = ["--reward_funcs", grpo.DEFAULT_REWARD]
     dropouts = [parse_config(options, argv)[1].lora_dropout for options, argv in
-                ((dpo, []), (load_recipe("sft").SFTArguments, []), (dpo, ["--lora_dropout", "0.1"]))]
-    assert dropouts == [0.0, 0.05, 0.1]
+                ((dpo, []), (grpo.GRPOArguments, rewards), (load_recipe("sft").SFTArguments, []),
+                 (dpo, ["--lora_dropout", "0.1"]), (grpo.GRPOArguments, [*rewards, "--lora_dropout", "0.1"]))]
+    assert dropouts == [0.0, 0.0, 0.05, 0.1, 0.1]
 
 
 OUT_OF_RANGE = [

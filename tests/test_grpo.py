@@ -5,6 +5,7 @@ bad input."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -107,6 +108,29 @@ def test_a_function_s_failures_are_judged_over_the_newest_completions_and_never_
     with pytest.raises(UserError, match=r"failed on 1 of the last 16"):
         judge(0.0).judge_failures(torch.tensor([1.0]), 16)
     assert late.failed.tolist() == [16.0]
+
+
+def test_a_judge_restored_from_its_checkpointed_state_judges_as_the_one_that_went_on():
+    """A resumed run's judge starts from the checkpoint's counters, through JSON as ``progress.json`` holds them:
+    not from an empty window (where 16 failures of 16 stop a run) nor one that forgot the newest failures."""
+    from finetune.tasks.rewards import RewardFailures
+    from finetune.tasks.scoring import RewardJudge
+
+    went_on = RewardJudge(RewardFailures(["f", "g"]), 0.1)
+    for step in range(20):
+        went_on.judge_failures(torch.tensor([2.0 * (step % 2), 0.0]), 16)  # 16 of the newest 256: 6%
+    went_on.judge_scored(torch.tensor([NAN] * 4))
+    restored = RewardJudge(RewardFailures(["f", "g"]), 0.1)
+    restored.load_state_dict(json.loads(json.dumps(went_on.state_dict())))
+    assert restored.state_dict() == went_on.state_dict()
+    assert restored.failed.tolist() == [20.0, 0.0] and restored.unscored_in_a_row == 1
+    for judge in (went_on, restored):
+        judge.judge_failures(torch.tensor([8.0, 0.0]), 16)  # 24 of the newest 256: still under 10%
+        with pytest.raises(UserError, match=r"reward function f failed on 26 of the last 256"):
+            judge.judge_failures(torch.tensor([4.0, 0.0]), 16)
+    fresh = RewardJudge(RewardFailures(["f", "g"]), 0.1)
+    with pytest.raises(UserError, match=r"failed on 8 of the last 16"):
+        fresh.judge_failures(torch.tensor([8.0, 0.0]), 16)
 
 
 def test_groups_whose_rewards_are_all_equal_are_counted_and_give_no_gradient():
@@ -400,8 +424,8 @@ def test_a_run_resumed_from_its_checkpoint_samples_and_trains_as_the_uninterrupt
         parity_runs, tiny_chat_model_with_distinct_replies, rewards, tmp_path):
     out = tmp_path / "resumed"
     flags = [*FLAGS, "--reward_funcs", f"{rewards}:distinct", "--num_iterations", "2", "--beta", "0.04",
-             "--max_train_steps", "4", "--per_device_train_batch_size", "4", "--resume_from_checkpoint",
-             str(parity_runs["torchrun"] / "checkpoints" / "step_2")]
+             "--max_train_steps", "4", "--per_device_train_batch_size", "4", "--checkpointing_steps", "2",
+             "--resume_from_checkpoint", str(parity_runs["torchrun"] / "checkpoints" / "step_2")]
     run_on("grpo", tiny_chat_model_with_distinct_replies, [], out, *flags, launcher="torchrun", processes=2)
     history = log_history(out)
     assert [h["step"] for h in history] == [3, 4]
@@ -411,6 +435,10 @@ def test_a_run_resumed_from_its_checkpoint_samples_and_trains_as_the_uninterrupt
     assert read_weights(out, "adapter_model.safetensors").keys() == read_weights(
         parity_runs["torchrun"], "adapter_model.safetensors").keys()
     assert max_weight_diff(out, parity_runs["torchrun"], "adapter_model.safetensors") == 0
+    # the reward judge's window went on from the checkpoint's: both rollouts of 8 completions in it
+    judges = [json.loads((run / "checkpoints" / "step_4" / "progress.json").read_text())["task_state"]["reward_judge"]
+              for run in (out, parity_runs["torchrun"])]
+    assert judges[0] == judges[1] and [scored for _, scored in judges[0]["recent"]] == [8, 8]
 
 
 def test_a_reward_function_that_fails_past_its_share_stops_the_run_naming_the_row_and_the_exception(

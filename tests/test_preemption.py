@@ -12,11 +12,13 @@ import pytest
 from helpers import (
     REPO,
     classify_flags,
+    free_port,
     launch_cmd,
     max_weight_diff,
     parity_flags,
     python_cmd,
     read_results,
+    recipe_path,
     run,
     start_and_signal,
     stopped_step,
@@ -56,6 +58,22 @@ def test_a_stop_signal_saves_that_step_and_the_same_command_resumes_to_the_same_
     assert f"resumed from {latest} at step {step}" in resumed.stdout
     assert read_results(out)["global_step"] == 9
     assert max_weight_diff(parity_runs(launcher, 2, 4, dropout=dropout), out) <= 1e-6
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_stop_under_finetune_torchrun_exits_with_the_stopped_status_and_no_launcher_report(
+        small_data, tiny_bert_without_dropout, tmp_path):
+    """Plain torchrun ends a stop with a traceback of its agent and status 1: a batch script would read it as a
+    failure."""
+    flags = [*parity_flags(small_data, tiny_bert_without_dropout, 4), "--output_dir", str(tmp_path / "out")]
+    command = [sys.executable, "-m", "finetune.cli", "torchrun", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), recipe_path(), *flags]
+    status, output = start_and_signal(command, signal.SIGTERM, "launcher")
+    assert status == STOPPED_EXIT_CODE, output[-3000:]
+    step = stopped_step(output, signal.SIGTERM)
+    assert find_latest_checkpoint(str(tmp_path / "out")).name == f"step_{step}"
+    assert "Traceback" not in output and "ChildFailedError" not in output, output[-3000:]
 
 
 def test_a_stop_during_the_final_evaluation_saves_the_last_step_without_waiting_for_the_evaluation(

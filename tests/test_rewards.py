@@ -143,6 +143,50 @@ def test_a_bad_spec_names_the_problem(rewards, tmp_path, spec, message):
         load_reward_funcs([spec.format(dir=tmp_path, file=rewards)])
 
 
+IMPORT_SIDE_EFFECT = """
+import os
+import pathlib
+import time
+
+pathlib.Path({marker!r}).write_text(os.environ.get("HF_TOKEN", "no token"))
+time.sleep({sleep})
+
+
+def score(prompts, completions, **columns):
+    return [1.0] * len(completions)
+"""
+
+
+def test_the_trainer_checks_specs_without_importing_them_and_only_the_workers_run_the_modules(tmp_path, monkeypatch):
+    """A module's top level runs where the function does, in a worker without the trainer's tokens; the trainer's
+    own check (before anything heavy loads) finds the file or module and runs none of its code."""
+    from helpers import load_recipe
+
+    from finetune.config import parse_config
+
+    marker, module = tmp_path / "imported", tmp_path / "loud_rewards.py"
+    module.write_text(IMPORT_SIDE_EFFECT.format(marker=str(marker), sleep=0))
+    monkeypatch.setenv("HF_TOKEN", "hf_write_token")
+    parse_config(load_recipe("grpo").GRPOArguments, ["--reward_funcs", f"{module}:score"])
+    assert not marker.exists()
+    with RewardPool([f"{module}:score"]) as pool:
+        assert pool.score(["p"], ["c"], {}).values.tolist() == [[1.0]]
+    assert marker.read_text() == "no token"
+
+
+def test_a_module_whose_import_hangs_is_refused_when_the_workers_take_longer_than_the_start_up_allows(
+        tmp_path, monkeypatch):
+    from finetune.tasks import rewards
+
+    monkeypatch.setattr(rewards, "STARTUP_TIMEOUT", 3.0)
+    module = tmp_path / "slow_import.py"
+    module.write_text(IMPORT_SIDE_EFFECT.format(marker=str(tmp_path / "imported"), sleep=3600))
+    with pytest.raises(UserError, match=r"a reward worker process did not load .*slow_import\.py:score within 3 s"):
+        with RewardPool([f"{module}:score"]) as pool:
+            pool.score(["p"], ["c"], {})
+    assert not worker_processes()
+
+
 def test_a_spec_given_twice_is_refused(rewards):
     with pytest.raises(UserError, match=r"reward function .*my_rewards\.py:length is given twice"):
         load_reward_funcs(specs(rewards, "length", "length"))

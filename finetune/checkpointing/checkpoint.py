@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -101,6 +101,9 @@ class Progress:
     frozen_weights: str = ""
     """``frozen_weights_digest`` of the model: what a LoRA checkpoint does not hold, the base it was trained on;
     "" in a checkpoint written before it was recorded."""
+    task_state: dict = field(default_factory=dict)
+    """What the task keeps across steps besides the model, as JSON values (GRPO's reward-failure counters): its
+    ``state_dict()`` when the checkpoint was written, the same on every process."""
 
     @property
     def global_batch_size(self) -> int:

@@ -32,15 +32,15 @@ class CheckpointGuard:
     """Checkpoints, stops and the finiteness checks of one run, for the model ``model`` at ``progress``.
 
     ``before_stop`` runs before a stop is reported (the loop closes its progress bar there, so the report is a
-    line of its own).
+    line of its own); ``task_state`` gives what a checkpoint keeps of the task (``Progress.task_state``).
     """
 
     def __init__(self, runtime, model, progress: Progress, stop: StopSignals, hub, *, output_dir: str,
                  checkpoints_total_limit: int | None, learning_rate: float, tokenizer,
-                 before_stop: Callable[[], None] = lambda: None):
+                 before_stop: Callable[[], None] = lambda: None, task_state: Callable[[], dict] = dict):
         self.runtime, self.model, self.progress, self.stop, self.hub = runtime, model, progress, stop, hub
         self.output_dir, self.keep, self.learning_rate = output_dir, checkpoints_total_limit, learning_rate
-        self.tokenizer, self.before_stop = tokenizer, before_stop
+        self.tokenizer, self.before_stop, self.task_state = tokenizer, before_stop, task_state
         self._saved: dict[int, Path] = {}
         self._first_nonfinite_step = torch.full((), -1, dtype=torch.long, device=runtime.device)
         self._window_finite = torch.ones((), dtype=torch.bool, device=runtime.device)
@@ -83,6 +83,7 @@ class CheckpointGuard:
         if step not in self._saved:
             self.check_finite()
             self.check_model()
+            self.progress.task_state = self.task_state()
             self._saved[step] = self.runtime.save_checkpoint(self.output_dir, self.progress, self.keep)
             self.hub.push_checkpoint(self._saved[step], step, self.runtime.unwrap(self.model), self.tokenizer)
         return self._saved[step]

@@ -42,7 +42,7 @@ from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
 from finetune.tasks.causal_lm import ChatModelArguments, cache_keyword, reply_log_probs
 from finetune.tasks.chat import check_conversation, render_prompts, rows_tools, without_nulls
-from finetune.tasks.rewards import RewardFailures, RewardPool, load_reward_funcs
+from finetune.tasks.rewards import RewardFailures, RewardPool, check_reward_specs
 from finetune.tasks.scoring import RewardJudge, failed_table, reward_names, score_replies
 
 __all__ = ["LOSS_TYPES", "SCALE_REWARDS", "Advantages", "GRPOArguments", "RolloutSampler", "Rollouts",
@@ -58,8 +58,8 @@ barely differ does not get huge advantages."""
 
 @dataclass
 class GRPOArguments(ChatModelArguments):
-    """The GRPO recipe's options (TRL's names), checked before anything heavy loads: the reward functions are
-    imported (``rewards``, with their ``weights``)."""
+    """The GRPO recipe's options (TRL's names), checked before anything heavy loads: the reward functions' specs
+    (their modules are imported only in the reward workers), with their ``weights``."""
 
     reward_funcs: list[str] = arg([], "Reward functions, each module:function (a module name or a .py file), with "
                                       "TRL's signature.")
@@ -89,24 +89,26 @@ class GRPOArguments(ChatModelArguments):
     beta: float = arg(0.0, "Weight of the KL term against the reference (the model with its adapters off); 0: "
                            "none, and no reference pass.")
     mask_truncated_completions: bool = arg(False, "Leave completions cut at max_completion_length out of the loss.")
+    lora_dropout: float = arg(0.0, "Dropout on the LoRA input: off by default, as TRL turns dropout off, so that a "
+                                   "rollout's first pass trains at the log-probabilities it was sampled with.")
 
     def __post_init__(self):
         super().__post_init__()
-        # Imported now, so that a bad spec is refused before anything heavy loads.
+        # Checked now, so that a bad spec is refused before anything heavy loads; imported only in the workers.
         if not self.reward_funcs:
             raise UserError("no --reward_funcs: give reward functions as module:function (TRL's signature, "
                             "func(prompts, completions, **columns) -> a list of floats or None)")
-        self.rewards = load_reward_funcs(self.reward_funcs)
+        check_reward_specs(self.reward_funcs)
         check_grpo_options(num_generations=self.num_generations, loss_type=self.loss_type,
-                                scale_rewards=self.scale_rewards, epsilon=self.epsilon, epsilon_high=self.epsilon_high,
-                                beta=self.beta, num_iterations=self.num_iterations)
+                           scale_rewards=self.scale_rewards, epsilon=self.epsilon, epsilon_high=self.epsilon_high,
+                           beta=self.beta, num_iterations=self.num_iterations)
         if not self.temperature > 0 or not 0 < self.top_p <= 1:
             raise UserError(f"--temperature {self.temperature} --top_p {self.top_p}: sample at a temperature above 0 "
                             "with top_p in (0, 1]")
-        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
-            raise UserError(f"{len(self.reward_weights)} --reward_weights for {len(self.rewards)} --reward_funcs; "
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
+            raise UserError(f"{len(self.reward_weights)} --reward_weights for {len(self.reward_funcs)} --reward_funcs; "
                             "give one weight each")
-        self.weights = np.array(self.reward_weights or [1.0] * len(self.rewards))
+        self.weights = np.array(self.reward_weights or [1.0] * len(self.reward_funcs))
         self.max_new_tokens = self.max_completion_length  # the evaluation's replies are as long as the completions
         if not 0 <= self.max_reward_failures <= 1 or not self.reward_timeout > 0:
             raise UserError(f"--max_reward_failures {self.max_reward_failures} --reward_timeout "

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["SIGNATURE", "FailureCount", "RewardFailure", "RewardFailures", "RewardFunc", "RewardPool",
-           "RewardScores", "check_reward_signature", "load_reward_funcs"]
+           "RewardScores", "check_reward_signature", "check_reward_specs", "load_reward_funcs"]
 
 SIGNATURE = "func(prompts, completions, **columns) -> list of floats or None"
 WORKER_ENVIRONMENT = ("PATH", "LD_LIBRARY_PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ",
@@ -71,17 +71,34 @@ class RewardFunc:
     func: Callable[..., Any]
 
 
+def check_reward_specs(specs: Sequence[str]) -> None:
+    """What can be wrong with ``specs`` short of importing them, which runs the user's code: only the workers do
+    that (``load_reward_funcs``), where an import that hangs is timed out and no token is in the environment.
+
+    Raises:
+        UserError: a spec without a colon or given twice, a file that is not there, a module not found.
+    """
+    if len(set(specs)) != len(specs):
+        twice = next(spec for spec in specs if specs.count(spec) > 1)
+        raise UserError(f"reward function {twice} is given twice; give each reward function once")
+    for spec in specs:
+        module_name, _ = _split(spec)
+        if _is_path(module_name):
+            _existing_file(spec, module_name)
+        elif importlib.util.find_spec(top := module_name.partition(".")[0]) is None:  # (a top level runs no code)
+            raise UserError(f"reward function {spec}: cannot import {module_name}: ModuleNotFoundError: No module "
+                            f"named {top!r}; {_IMPORTABLE}")
+
+
 def load_reward_funcs(specs: Sequence[str]) -> list[RewardFunc]:
     """The reward functions ``specs`` name, each ``module:function``: a dotted module importable here, or the path
     to a ``.py`` file (relative to the working directory, or absolute).
 
     Raises:
-        UserError: a spec without a colon or given twice, a module that cannot be imported (with what it raised), no
+        UserError: what ``check_reward_specs`` refuses, a module that cannot be imported (with what it raised), no
             such function in it, or something that is not callable.
     """
-    if len(set(specs)) != len(specs):
-        twice = next(spec for spec in specs if specs.count(spec) > 1)
-        raise UserError(f"reward function {twice} is given twice; give each reward function once")
+    check_reward_specs(specs)
     return [RewardFunc(spec, _load(spec)) for spec in specs]
 
 
@@ -127,18 +144,24 @@ def _import(spec: str, module_name: str):
         return importlib.import_module(module_name)
     except (Exception, SystemExit) as err:
         missing = isinstance(err, ModuleNotFoundError) and f"{module_name}.".startswith(f"{err.name}.")
-        fix = ("give a module importable from here (on sys.path or installed) or a path to a .py file" if missing
-               else f"fix what importing {module_name} raised")
+        fix = _IMPORTABLE if missing else f"fix what importing {module_name} raised"
         raise UserError(f"reward function {spec}: cannot import {module_name}: {_summary(err)}; {fix}") from None
 
 
-def _load_file(spec: str, module_name: str):
+_IMPORTABLE = "give a module importable from here (on sys.path or installed) or a path to a .py file"
+
+
+def _existing_file(spec: str, module_name: str) -> Path:
     path = Path(module_name).expanduser()
     if path.suffix != ".py" or not path.is_file():
         what = "no such file" if not path.exists() else "not a .py file"
         raise UserError(f"reward function {spec}: {path} is {what}; give the path to a .py file, absolute or relative "
                         f"to {os.getcwd()}, or a dotted module name")
-    path = path.resolve()
+    return path.resolve()
+
+
+def _load_file(spec: str, module_name: str):
+    path = _existing_file(spec, module_name)
     # One module per file, under a name no other file gets; in sys.modules so that dataclasses and pickle find it.
     stem = re.sub(r"\W", "_", path.stem)
     name = f"_reward_{stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"

@@ -110,6 +110,16 @@ class RewardJudge:
                         f"completions over all processes, more than --max_reward_failures {self.max_share:g}; the "
                         "error line of the process that saw it names the row")
 
+    def state_dict(self) -> dict:
+        """The counters, for a checkpoint: a resumed run judges the same window as the uninterrupted one."""
+        return {"failed": self.failed.tolist(), "recent": [[failed.tolist(), scored] for failed, scored in self.recent],
+                "unscored_in_a_row": self.unscored_in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.failed = torch.tensor(state["failed"], dtype=torch.float64)
+        self.recent = deque((torch.tensor(failed, dtype=torch.float64), scored) for failed, scored in state["recent"])
+        self.unscored_in_a_row = state["unscored_in_a_row"]
+
     def judge_scored(self, rewards: torch.Tensor) -> None:
         """Say when no function scored any of a rollout's completions (``rewards``, NaN where none did: every one
         returned None, as a function that reads a misnamed column with ``columns.get`` does), which trains nothing.
