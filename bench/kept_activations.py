@@ -1,4 +1,5 @@
-"""What a training step of the chat recipe's model keeps for its backward pass, with LoRA's dropout three ways.
+"""What a training step of the chat recipe's model keeps for its backward pass: LoRA's dropout three ways, and
+with its layers recomputed in the backward pass (``--gradient_checkpointing``).
 
     python bench/kept_activations.py        # about a minute; writes bench/results/kept-activations.json
 
@@ -7,7 +8,9 @@ of 512 tokens (the last 162 of each trained, as in the memory comparison of benc
 of every tensor autograd keeps for the backward pass (each storage once, the weights not counted), counted with
 ``torch.autograd.graph.saved_tensors_hooks``. The three ways: peft's own layers with dropout 0.05, the package's
 (``finetune.models.lora.add_lora``, whose ``DropoutLinear`` keeps the dropout's mask instead of a dropped copy), and no
-dropout. The count is exact and the same on every run, unlike resident memory, which the C allocator blurs.
+dropout; then the package's with dropout 0.05 and every layer checkpointed, where the count adds each layer's input,
+which the recompute holds outside autograd. The count is exact and the same on every run, unlike resident memory,
+which the C allocator blurs.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from pathlib import Path
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from finetune.models.loading import default_chat_model_path
 from finetune.models.lora import add_lora
+from finetune.models.memory import checkpoint_activations
 from finetune.tasks.causal_lm import label_log_probs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,8 +47,16 @@ def kept_bytes(model, batch: dict) -> int:
             kept[storage.data_ptr()] = storage.nbytes()
         return tensor
 
+    def pack_input(module, args):  # a checkpointed layer's input, held by the recompute outside autograd
+        pack(args[0])
+
+    layers = [module for module in model.modules()
+              if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing]
+    hooks = [layer.register_forward_pre_hook(pack_input) for layer in layers]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         label_log_probs(model.train(), dict(batch))
+    for hook in hooks:
+        hook.remove()
     return sum(kept.values())
 
 
@@ -59,19 +72,23 @@ def kept_by(way: str) -> int:
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
                                                  task_type="CAUSAL_LM"))
     else:
-        model = add_lora(model, 16, 32, 0.05 if way == "finetune_dropout_0.05" else 0.0, "all-linear")
+        model = add_lora(model, 16, 32, 0.0 if way == "no_dropout" else 0.05, "all-linear")
+    if way == "finetune_dropout_0.05_checkpointed":
+        checkpoint_activations(model)
     return round(kept_bytes(model, batch) / 2**20)
 
 
 def main(results_file: Path) -> None:
-    ways = ["peft_dropout_0.05", "finetune_dropout_0.05", "no_dropout"]
+    ways = ["peft_dropout_0.05", "finetune_dropout_0.05", "no_dropout", "finetune_dropout_0.05_checkpointed"]
     kept = {}
     for way in ways:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             kept[way] = pool.submit(kept_by, way).result()
     results = {"model": "SmolLM2-135M-Instruct, LoRA r 16 on all-linear", "batch": f"{ROWS} x {TOKENS} tokens",
                "kept_for_backward_mib": kept,
-               "finetune_vs_peft": round(kept["finetune_dropout_0.05"] / kept["peft_dropout_0.05"], 3)}
+               "finetune_vs_peft": round(kept["finetune_dropout_0.05"] / kept["peft_dropout_0.05"], 3),
+               "checkpointed_vs_kept": round(kept["finetune_dropout_0.05_checkpointed"] / kept["finetune_dropout_0.05"],
+                                             3)}
     results_file.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
 

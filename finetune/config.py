@@ -81,6 +81,9 @@ class TrainConfig:
     mixed_precision: Literal["no", "fp16", "bf16"] | None = arg(
         None, "Overrides the launcher's choice (accelerate config); raw DDP supports no and bf16.")
     bf16: bool = arg(False, "Same as --mixed_precision bf16 (the flag of transformers' and TRL's scripts).")
+    gradient_checkpointing: bool = arg(False, "Keep only each transformer layer's input for the backward pass and "
+                                              "recompute the layer there (activation checkpointing): far less "
+                                              "memory for long rows, for a second forward pass; exact.")
 
     # Outputs, checkpoints, logging
     output_dir: str = arg("outputs", "Where the trained model, checkpoints and results go.")

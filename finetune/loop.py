@@ -51,6 +51,7 @@ from finetune.errors import UserError
 from finetune.evaluation import Evaluation
 from finetune.hub.pusher import HubPusher, download_last_checkpoint, model_card
 from finetune.models.loading import optimizer_param_groups, weight_dtypes
+from finetune.models.memory import checkpoint_activations
 from finetune.observability.metering import TrainingMeter
 from finetune.runtimes.base import Runtime, TrackerSettings
 from finetune.runtimes.launcher import make_runtime
@@ -105,6 +106,8 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         if hasattr(task, "close"):
             closing.callback(task.close)
         setup = task.setup(cfg, tokenizer, data)
+        if cfg.gradient_checkpointing:
+            checkpoint_activations(setup.model)
         sampler = setup.sampler or GlobalBatchSampler(
             setup.train_set.lengths, cfg.per_device_train_batch_size, runtime.world_size, seed=cfg.seed,
             group_by_length=cfg.group_by_length, accumulation_steps=cfg.gradient_accumulation_steps,
@@ -306,6 +309,7 @@ def _start_line(task: Task, cfg: TrainConfig, runtime: Runtime, source: str, set
     truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None else setup.truncated)
     return (f"training {task.name} on {source}: {len(setup.train_set)} examples ({truncated} cut "
             f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {weight_dtypes(setup.model)}, "
+            f"{'layers recomputed in the backward pass, ' if cfg.gradient_checkpointing else ''}"
             f"{schedule.max_steps} steps, "
             f"{runtime.world_size} process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU thread(s) "
             f"each [{runtime.name}]")

@@ -11,6 +11,7 @@ import psutil
 import pytest
 import torch
 from helpers import (
+    assert_same_steps,
     classify_flags,
     launch_cmd,
     log_history,
@@ -155,3 +156,13 @@ def test_resuming_from_the_final_checkpoint_saves_the_same_model(small_data, tin
     assert max_weight_diff(first, again) == 0.0
     assert read_predictions(again) == read_predictions(first)
     assert read_results(again)["global_step"] == 6
+
+
+def test_gradient_checkpointing_trains_exactly_as_keeping_the_activations(small_data, tiny_bert, tmp_path):
+    """A full fine-tune of an encoder with dropout on: the recompute draws the masks the forward pass drew."""
+    flags = ["--max_train_steps", "3", "--per_device_train_batch_size", "8", "--learning_rate", "1e-3"]
+    train_here("classify", *classify_flags(small_data, tiny_bert, *flags, "--output_dir", str(tmp_path / "kept")))
+    train_here("classify", *classify_flags(small_data, tiny_bert, *flags, "--output_dir", str(tmp_path / "recomputed"),
+                                           "--gradient_checkpointing"))
+    assert_same_steps(log_history(tmp_path / "recomputed"), log_history(tmp_path / "kept"), rel=1e-6)
+    assert max_weight_diff(tmp_path / "recomputed", tmp_path / "kept") <= 1e-6

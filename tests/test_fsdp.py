@@ -19,6 +19,7 @@ from helpers import (
     assert_weights_match_a_parity_run,
     free_port,
     log_history,
+    max_weight_diff,
     parity_flags,
     python_cmd,
     read_results,
@@ -151,8 +152,9 @@ def test_accelerates_fsdp_config_on_a_machine_without_gpus_says_to_use_torchrun(
 @pytest.fixture(scope="module")
 def chat_runs(tiny_chat_model_with_distinct_replies, tmp_path_factory) -> dict:
     """The chat recipe with LoRA on the tiny Llama, 8 conversations, 2 steps of 2 x 2, under DDP and under
-    ``--fsdp`` (which also merges the adapter). Validation: 4 conversations, a reply generated for the first only,
-    so that the other process must join the generation's forwards with nothing of its own to generate."""
+    ``--fsdp`` (which also merges the adapter), and sharded with ``--gradient_checkpointing``. Validation: 4
+    conversations, a reply generated for the first only, so that the other process must join the generation's
+    forwards with nothing of its own to generate."""
     folder = tmp_path_factory.mktemp("chat")
     data = make_support_conversations()
     for split, count in (("train", 8), ("validation", 4)):
@@ -162,9 +164,11 @@ def chat_runs(tiny_chat_model_with_distinct_replies, tmp_path_factory) -> dict:
              "--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2", "--num_train_epochs", "1",
              "--lora_dropout", "0", "--logging_steps", "1", "--eval_generate", "1", "--max_new_tokens", "6",
              "--model_name_or_path", str(tiny_chat_model_with_distinct_replies), "--learning_rate", "1e-2"]
-    outs = {"ddp": folder / "ddp", "fsdp": folder / "fsdp"}
+    outs = {"ddp": folder / "ddp", "fsdp": folder / "fsdp", "recomputed": folder / "recomputed"}
     run(torchrun_cmd(*flags, "--output_dir", str(outs["ddp"]), script=recipe_path("sft")))
     run(torchrun_cmd(*flags, "--fsdp", "--merge_lora", "--output_dir", str(outs["fsdp"]), script=recipe_path("sft")))
+    run(torchrun_cmd(*flags, "--fsdp", "--merge_lora", "--gradient_checkpointing", "--output_dir",
+                     str(outs["recomputed"]), script=recipe_path("sft")))
     return outs
 
 
@@ -181,6 +185,15 @@ def test_lora_under_fsdp_trains_as_ddp_and_saves_the_whole_adapter(chat_runs):
     assert len(adapter) == 2 * 7 * 2 and adapter.keys() == expected.keys()
     assert all(adapter[k].shape == expected[k].shape for k in expected)
     assert max((adapter[k] - expected[k]).abs().max().item() for k in expected) < 1e-5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sharded_layers_recomputed_in_the_backward_pass_train_exactly_as_kept(chat_runs):
+    """The checkpoint wraps each layer's forward inside FSDP2's hooks: the recompute gathers the shards again."""
+    assert_same_steps(log_history(chat_runs["recomputed"]), log_history(chat_runs["fsdp"]), rel=1e-6)
+    assert max_weight_diff(chat_runs["recomputed"], chat_runs["fsdp"], "adapter_model.safetensors") <= 1e-6
+    assert read_results(chat_runs["recomputed"])["eval_loss"] == read_results(chat_runs["fsdp"])["eval_loss"]
 
 
 @pytest.mark.multiprocess

@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import (
     assert_refused,
+    assert_same_steps,
     log_history,
     max_weight_diff,
     one_error_line,
@@ -485,6 +486,22 @@ def test_a_reward_function_that_kills_its_worker_is_counted_and_training_goes_on
     results = read_results(out)
     assert results["eval_reward_failures/kills_its_worker_on_billing"] == 47 and "eval_reward" not in results
     assert results["eval_reward_failures/distinct"] == 0 and results["eval_rewards/distinct/mean"] > 0
+
+
+def test_gradient_checkpointing_trains_exactly_as_keeping_the_activations(tiny_chat_model, rewards, tmp_path):
+    """Sampling, the old log-probabilities and the reference run without gradients, so nothing of them is
+    recomputed; the policy's layers keep no KV cache when recomputed, so each completion runs as one row with its
+    prompt, to the values of the shared prompt pass."""
+    flags = [*FLAGS, "--reward_funcs", f"{rewards}:distinct", "--max_train_steps", "2", "--num_iterations", "2",
+             "--beta", "0.04", "--per_device_train_batch_size", "8"]
+    run_on("grpo", tiny_chat_model, [], tmp_path / "kept", *flags)
+    run_on("grpo", tiny_chat_model, [], tmp_path / "recomputed", *flags, "--gradient_checkpointing")
+    history = log_history(tmp_path / "recomputed")
+    assert_same_steps(history, log_history(tmp_path / "kept"), rel=1e-6)
+    assert history[1]["kl"] > 0 and history[0]["reward_std"] > 0
+    # AdamW's first steps move a weight by about the learning rate, whatever the size of its gradient: rounding in
+    # another order of the sums (rows instead of a shared cache) moves one by a thousandth of a step at most
+    assert max_weight_diff(tmp_path / "recomputed", tmp_path / "kept", "adapter_model.safetensors") <= 1e-5
 
 
 def test_each_step_splits_its_time_into_sampling_scoring_and_training(tiny_chat_model, rewards, tmp_path):

@@ -13,7 +13,9 @@ from helpers import (
     HUB_TOKEN,
     assert_adapter_replies_as_generated,
     assert_refused,
+    assert_same_steps,
     log_history,
+    max_weight_diff,
     note_longest_texts,
     read_jsonl,
     read_results,
@@ -189,6 +191,18 @@ def test_one_process_and_two_train_alike_under_both_launchers(tiny_chat_model_wi
     # Checkpoints hold the adapter and its optimizer state only.
     checkpoint = load_file(outs[launcher] / "checkpoints" / "step_4" / "model.safetensors")
     assert checkpoint.keys() == {k.replace(".weight", ".default.weight") for k in adapter}
+
+
+@pytest.mark.parametrize("batches", ["--no_packing", "--packing"])
+def test_gradient_checkpointing_trains_exactly_as_keeping_the_activations(tiny_chat_model, chat_files, tmp_path,
+                                                                         batches):
+    """LoRA dropout on (0.05), accumulation of 2: the recompute draws the masks the forward pass drew."""
+    flags = ["--max_train_steps", "3", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+             "--learning_rate", "1e-2", "--eval_generate", "0", batches]
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "kept", *flags)
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "recomputed", *flags, "--gradient_checkpointing")
+    assert_same_steps(log_history(tmp_path / "recomputed"), log_history(tmp_path / "kept"), rel=1e-6)
+    assert max_weight_diff(tmp_path / "recomputed", tmp_path / "kept", "adapter_model.safetensors") <= 1e-6
 
 
 def test_generations_are_the_saved_model_s_greedy_replies(tiny_chat_model, chat_files, tmp_path):

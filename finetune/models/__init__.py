@@ -1,5 +1,6 @@
 """Models: loading models and tokenizers by Hub id or folder with errors a user can act on, the embedded default
-models and the optimizer's parameter groups (``loading``), LoRA adapters through peft (``lora``).
+models and the optimizer's parameter groups (``loading``), LoRA adapters through peft (``lora``), what a model
+keeps in memory while it trains (``memory``: activation checkpointing).
 
 May import: distributed, checkpointing and the core.
 """

@@ -329,13 +329,18 @@ def reply_log_probs(model, batch: dict, temperature: float = 1.0) -> torch.Tenso
     ``reply_mask`` ``[replies, R]``, and ``prompt_of`` ``[replies]``, the row of each reply's prompt. A reply reads
     on from its prompt's positions; its first token is scored from the prompt's last hidden state. ``model`` may
     be wrapped (DDP) and train: its forward runs twice, and the gradient reaches the prompt's pass through the
-    copied cache.
+    copied cache. Where its layers are recomputed in the backward pass (activation checkpointing), they keep no
+    cache: each reply then runs as one row with its prompt.
     """
     inner = unwrap(model)
     head, keyword = inner.get_output_embeddings(), cache_keyword(inner)
     prompt_ids, prompt_mask = _unpadded(batch["prompt_ids"], batch["prompt_mask"])
     reply_ids, reply_mask, prompt_of = *_unpadded(batch["reply_ids"], batch["reply_mask"]), batch["prompt_of"]
     lengths = prompt_mask.sum(1)
+    if getattr(inner, "is_activation_checkpointing", False) and inner.training and torch.is_grad_enabled():
+        log_probs = _reply_rows_log_probs(model, inner, prompt_ids[prompt_of], prompt_mask[prompt_of], reply_ids,
+                                          reply_mask, temperature)
+        return torch.nn.functional.pad(log_probs, (0, batch["reply_ids"].shape[1] - reply_ids.shape[1]))
     with _output_layer_input(head) as seen:
         outputs = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True)
     last = seen["hidden"][prompt_of, lengths[prompt_of] - 1]
@@ -350,6 +355,22 @@ def reply_log_probs(model, batch: dict, temperature: float = 1.0) -> torch.Tenso
     log_probs = _head_log_probs(inner, seen, hidden, reply_ids[labelled], temperature=temperature)
     log_probs = torch.zeros(reply_ids.shape, device=log_probs.device).masked_scatter(labelled, log_probs)
     return torch.nn.functional.pad(log_probs, (0, batch["reply_ids"].shape[1] - reply_ids.shape[1]))
+
+
+def _reply_rows_log_probs(model, inner, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, reply_ids: torch.Tensor,
+                          reply_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``reply_log_probs`` of replies each given the (right-padded) rows of its prompt, in one forward pass over
+    the rows prompt + reply, each reply placed right after its prompt."""
+    lengths = prompt_mask.sum(1, keepdim=True)
+    reply_columns = lengths + torch.arange(reply_ids.shape[1], device=lengths.device)
+    ids = torch.nn.functional.pad(prompt_ids, (0, reply_ids.shape[1])).scatter(1, reply_columns, reply_ids)
+    mask = torch.nn.functional.pad(prompt_mask, (0, reply_ids.shape[1])).scatter(1, reply_columns, reply_mask)
+    with _output_layer_input(inner.get_output_embeddings()) as seen:
+        model(input_ids=ids, attention_mask=mask)
+    labelled = reply_mask.bool()
+    before = seen["hidden"].gather(1, (reply_columns - 1)[..., None].expand(-1, -1, seen["hidden"].shape[-1]))
+    log_probs = _head_log_probs(inner, seen, before[labelled], reply_ids[labelled], temperature=temperature)
+    return torch.zeros(reply_ids.shape, device=log_probs.device).masked_scatter(labelled, log_probs)
 
 
 def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
