@@ -3,7 +3,8 @@ DPOTrainer and GRPOTrainer.
 
     python bench/baselines.py KIND DATA_FILE OUT_DIR [--seed N] [--per_device_train_batch_size N] [--eval_file F]
     (KIND: loop_random, loop_same_optimizer, trainer_default, trainer_grouped, trainer_ner, loop_sft,
-    trl_padding_free, trl_default, trl_memory, loop_dpo, trl_dpo, trl_dpo_default, trl_dpo_memory or trl_grpo;
+    trl_padding_free, trl_default, trl_memory, trl_long, loop_dpo, trl_dpo, trl_dpo_default, trl_dpo_memory or
+    trl_grpo;
     the batch size is the chat and preference baselines' only, their recipe's by default; the memory kinds
     evaluate on --eval_file)
 
@@ -225,7 +226,8 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
     the recipe's packing does, with activation checkpointing off as in the recipe; ``trl_default`` keeps TRL's
     defaults (padded batches, activation checkpointing on). ``trl_memory`` is the recipe's memory comparison:
     padded batches cut at 512 tokens, activation checkpointing off, and one evaluation of ``eval_jsonl`` at the
-    epoch's end in batches of 8, as the recipe's ``--per_device_eval_batch_size 8``."""
+    epoch's end in batches of 8, as the recipe's ``--per_device_eval_batch_size 8``. ``trl_long`` is
+    ``bench/long.py``'s: TRL's defaults (activation checkpointing on), padding-free batches, no length limit."""
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
@@ -245,6 +247,8 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
     if kind == "trl_memory":
         settings = {"max_length": 512, "gradient_checkpointing": False, "per_device_eval_batch_size": 8,
                     "eval_strategy": "epoch"}
+    if kind == "trl_long":  # bench/long.py: its defaults for long rows, activation checkpointing on, no padding
+        settings = {"padding_free": True, "max_length": None}
     args = SFTConfig(output_dir=output_dir,
                      per_device_train_batch_size=batch_size or defaults["per_device_train_batch_size"],
                      learning_rate=defaults["learning_rate"], weight_decay=RECIPE.weight_decay, num_train_epochs=1,

@@ -203,11 +203,13 @@ def test_a_packed_batch_on_the_gpu_gives_each_token_the_loss_it_has_alone(dtype)
 
 def test_sft_with_lora_in_bf16_trains_packed_and_padded(tmp_path):
     """The chat recipe on this GPU in bf16 with LoRA, both ways it batches, and with the frozen base in bf16
-    (``--dtype bfloat16``): each trains its 4 steps to finite losses, evaluates and writes its 8 replies and its
-    adapter (the packing itself is checked token by token above). The model is a stand-in with random weights, so
-    no accuracy is checked."""
+    (``--dtype bfloat16``), and packed with its layers recomputed in the backward pass (``--gradient_checkpointing``,
+    through flash-attention's kernels): each trains its 4 steps to finite losses, evaluates and writes its 8 replies
+    and its adapter (the packing itself is checked token by token above). The model is a stand-in with random
+    weights, so no accuracy is checked."""
     for flags, said in ((["--packing"], "packed batches"), (["--no_packing"], "padded batches"),
-                        (["--no_packing", "--dtype", "bfloat16"], "weights trained in float32, frozen in bfloat16")):
+                        (["--no_packing", "--dtype", "bfloat16"], "weights trained in float32, frozen in bfloat16"),
+                        (["--packing", "--gradient_checkpointing"], "layers recomputed in the backward pass")):
         out = tmp_path / "-".join(flag.strip("-") for flag in flags)
         result = run(accelerate_cmd(*flags, "--max_train_steps", "4", "--logging_steps", "1", "--eval_generate", "8",
                                     "--output_dir", str(out), **ONE_GPU, script=SFT), timeout=600)
