@@ -367,6 +367,8 @@ def test_logging_never_waits_for_a_server_that_does_not_answer(tmp_path, monkeyp
         for step in range(1, 21):
             trackers.log({"loss": 1.0 / step}, step)
         queued_in = time.monotonic() - start
+        # Taken while the server holds it: once the socket closes, the thread may end before the test looks.
+        (thread,) = [thread for thread in threading.enumerate() if thread.name == "tracker-mlflow"]
         start = time.monotonic()
         trackers.close(timeout=2)
         closed_in = time.monotonic() - start
@@ -374,8 +376,8 @@ def test_logging_never_waits_for_a_server_that_does_not_answer(tmp_path, monkeyp
     assert queued_in < 5
     assert 2 <= closed_in < 10
     # The socket closed, the hung request fails: the tracker's thread ends, with its one warning.
-    (thread,) = [thread for thread in threading.enumerate() if thread.name == "tracker-mlflow"]
     thread.join(timeout=60)
+    assert not thread.is_alive()
     messages = capsys.readouterr().err
     assert "mlflow did not record 20 of 20 logs (steps 1-20) and did not end its run within 2 s" in messages
     assert messages.count("warning: mlflow failed at its start") == 1
