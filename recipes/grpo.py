@@ -66,7 +66,7 @@ class GRPOTask(causal_lm.ChatTask):
         self.pool = RewardPool(args.reward_funcs, timeout=args.reward_timeout, passed_environment=args.reward_env)
         scoring.check_rewards_on(self.pool, data.train[0])
         model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
-                               trust_remote_code=cfg.trust_remote_code, dtype=args.base_dtype)
+                               trust_remote_code=cfg.trust_remote_code, **args.loading_options(cfg))
         model, adapters = causal_lm.adapt_chat_model(model, args, tokenizer)
         self.rollouts = grpo.Rollouts(
             args, data.train, tokenizer, self.pool, args.weights.tolist(),

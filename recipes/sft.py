@@ -73,7 +73,7 @@ class SFTTask(ChatTask):
         collate, eval_collate, packed, flash = language_model_collators(tokenizer, self.args.packing,
                                                                         run_precision(cfg) != "no")
         model = load_model(transformers.AutoModelForCausalLM, cfg.model_name_or_path or default_chat_model_path(),
-                           trust_remote_code=cfg.trust_remote_code, dtype=self.args.base_dtype,
+                           trust_remote_code=cfg.trust_remote_code, **self.args.loading_options(cfg),
                            **({"attn_implementation": "flash_attention_2"} if flash else {}))
         model, adapters = adapt_chat_model(model, self.args, tokenizer)
         train_set = TokenizedDataset(data.train, ["input_ids", "labels"])

@@ -221,6 +221,23 @@ def test_sft_with_lora_in_bf16_trains_packed_and_padded(tmp_path):
         assert (out / "adapter_model.safetensors").is_file()
 
 
+def test_qlora_in_bf16_trains_and_merges_on_the_gpu(tmp_path):
+    """The chat recipe with its frozen base in 4-bit NF4 on this GPU (bitsandbytes' CUDA kernels, the model loaded
+    onto this process's device), computing in bf16, layers recomputed: 4 steps to finite losses, the adapter, and
+    a merged float32 model. bitsandbytes' wheel (43 MB) does not fit the bundle: the machine must have it."""
+    import importlib.util
+
+    assert importlib.util.find_spec("bitsandbytes"), "this GPU machine has no bitsandbytes: QLoRA is unverified"
+    out = tmp_path / "out"
+    result = run(accelerate_cmd("--load_in_4bit", "--gradient_checkpointing", "--merge_lora", "--max_train_steps", "4",
+                                "--logging_steps", "1", "--eval_generate", "2", "--output_dir", str(out), **ONE_GPU,
+                                script=SFT), timeout=600)
+    assert "4-bit NF4, computing in bfloat16" in result.stdout and "process(es) on cuda" in result.stdout
+    assert [h["step"] for h in log_history(out)] == [1, 2, 3, 4]
+    assert all(math.isfinite(h["loss"]) for h in log_history(out))
+    assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "model.safetensors").is_file()
+
+
 def test_dpo_with_lora_in_bf16_starts_at_ln_2_and_trains(tmp_path):
     """The preference recipe on this GPU in bf16 with LoRA and its live reference (peft's adapter switch on the
     unwrapped model, under autocast): the fresh adapter adds exact zeros, so the first step's loss is ln 2 and its

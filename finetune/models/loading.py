@@ -103,9 +103,9 @@ def load_model(auto_class, name_or_path: str, **kwargs):
 def weight_dtypes(model) -> str:
     """The dtypes of the weights the optimizer updates and of the frozen ones, for the run's start line:
     ``weights trained in float32`` (``, frozen in bfloat16`` under LoRA with ``--dtype bfloat16``)."""
-    def names(trained: bool) -> str:
-        return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
-                                if p.requires_grad == trained}))
+    def names(trained: bool) -> str:  # a 4-bit weight by its quantization (nf4), not by the bytes that hold it
+        return "/".join(sorted({getattr(p, "quant_type", None) or str(p.dtype).removeprefix("torch.")
+                                for p in model.parameters() if p.requires_grad == trained}))
     frozen = names(False)
     return f"weights trained in {names(True)}" + (f", frozen in {frozen}" if frozen else "")
 

@@ -9,6 +9,7 @@ import torch
 from finetune.checkpointing.checkpoint import save_model
 from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
+from finetune.models.memory import dequantize_into, is_four_bit
 
 __all__ = ["DropoutLinear", "add_lora", "save_adapter"]
 
@@ -93,17 +94,23 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str):
 def save_adapter(model, state_dict: dict, tokenizer, output_dir: str, merge: bool) -> None:
     """Write the adapter (``adapter_config.json``, ``adapter_model.safetensors``) and the tokenizer with its
     chat template; with ``merge``, also ``output_dir/merged``: the base model with the adapter folded in,
-    which plain transformers loads."""
+    which plain transformers loads (in float32 where the base was held in 4 bits)."""
     had_card = os.path.exists(os.path.join(output_dir, "README.md"))
     model.save_pretrained(output_dir, state_dict=state_dict)  # peft keeps only the adapter's weights
     if not had_card:  # peft writes a placeholder card; the loop writes the real one when pushing
         os.remove(os.path.join(output_dir, "README.md"))
     tokenizer.save_pretrained(output_dir)
     if merge:
-        if is_sharded(model):  # its weights are split across processes: merge a plain copy on this one
+        # Sharded weights are split across processes, and peft folds an adapter into 4-bit weights by quantizing
+        # the sum again: merge into a full-precision copy on this process, holding the 4-bit weights dequantized
+        # (the model that trained) where there are any.
+        if is_sharded(model) or is_four_bit(model):
             from peft import PeftModel
 
-            base = type(model.get_base_model()).from_pretrained(model.peft_config["default"].base_model_name_or_path)
+            base = type(model.get_base_model()).from_pretrained(model.peft_config["default"].base_model_name_or_path,
+                                                                dtype=torch.float32)
+            if is_four_bit(model):
+                dequantize_into(model, base)
             model = PeftModel.from_pretrained(base, output_dir)
         merged = model.merge_and_unload()
         save_model(merged, merged.state_dict(), tokenizer, os.path.join(output_dir, "merged"))

@@ -1,4 +1,5 @@
-"""What a model keeps in memory while it trains: activation checkpointing of its layers."""
+"""What a model keeps in memory while it trains: activation checkpointing of its layers, and 4-bit frozen base
+weights (QLoRA) through bitsandbytes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import torch
 
 from finetune.errors import UserError
 
-__all__ = ["checkpoint_activations"]
+__all__ = ["checkpoint_activations", "dequantize_into", "four_bit_loading", "is_four_bit", "keep_four_bit_trainable",
+           "require_bitsandbytes"]
 
 
 def checkpoint_activations(model: torch.nn.Module) -> None:
@@ -24,3 +26,61 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
         raise UserError(f"--gradient_checkpointing: {type(base).__name__} cannot recompute its layers "
                         "(transformers has no activation checkpointing for it); leave the flag off")
     base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def require_bitsandbytes() -> None:
+    """Raises ``UserError`` naming the extra to install when bitsandbytes is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError('--load_in_4bit needs bitsandbytes: pip install -e ".[qlora]" (or pip install '
+                        'bitsandbytes), or leave the flag off')
+
+
+def four_bit_loading(compute_dtype: torch.dtype) -> dict:
+    """``from_pretrained``'s keyword arguments for QLoRA's frozen base: every linear layer but the output head
+    in 4-bit NF4 with double quantization, computing in ``compute_dtype``; on a GPU, loaded straight onto this
+    process's device (bitsandbytes quantizes as the weights arrive there)."""
+    import logging
+
+    import transformers
+
+    # bitsandbytes' CPU backend looks for an optional Hub kernel at import and warns when it is not there; the
+    # kernel it falls back to computes the same thing.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype)
+    placement = {"device_map": {"": torch.cuda.current_device()}} if torch.cuda.is_available() else {}
+    return {"quantization_config": config, **placement}
+
+
+def is_four_bit(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the model under its adapters) holds 4-bit bitsandbytes weights."""
+    return any(hasattr(parameter, "quant_state") for parameter in model.parameters())
+
+
+def keep_four_bit_trainable(model: torch.nn.Module) -> None:
+    """Keep every 4-bit layer of ``model`` on the kernels that training differentiates through.
+
+    On a CPU with bfloat16 instructions, bitsandbytes repacks a layer's weight for a faster kernel the first time
+    the layer runs in eval mode without gradients (an evaluation, the reference's pass), and computes through that
+    kernel from then on, training too: it has no backward, so the gradients through the frozen layers after the
+    first evaluation would be silently wrong (and it computes in bfloat16).
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def dequantize_into(quantized: torch.nn.Module, model: torch.nn.Module) -> None:
+    """Copy each 4-bit weight of ``quantized`` (a model under peft's adapters, or a plain one), dequantized, over the
+    same weight of ``model``, the same architecture in full precision: ``model`` then computes what ``quantized``
+    does, as its layers compute in float32."""
+    import bitsandbytes
+
+    for name, parameter in quantized.named_parameters():
+        if hasattr(parameter, "quant_state"):
+            target = model.get_parameter(name.replace("base_model.model.", "", 1).replace(".base_layer", ""))
+            weight = bitsandbytes.functional.dequantize_4bit(parameter.data, parameter.quant_state)
+            with torch.no_grad():
+                target.copy_(weight.reshape(target.shape))

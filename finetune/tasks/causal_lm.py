@@ -28,6 +28,7 @@ from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
 from finetune.models.loading import default_chat_model_path, from_pretrained
 from finetune.models.lora import add_lora, save_adapter
+from finetune.models.memory import four_bit_loading, keep_four_bit_trainable, require_bitsandbytes
 from finetune.task import ModelCardInfo
 from finetune.tasks.chat import IGNORE, end_of_turn_ids, require_chat_template, write_generations
 
@@ -67,6 +68,11 @@ class ChatModelArguments(CausalLMArguments):
     dtype: Literal["float32", "bfloat16", "float16"] = arg(
         "float32", "The dtype of the frozen base weights under LoRA (TRL's --dtype): bfloat16 halves their memory, "
                    "while the adapter trains in float32. Without LoRA every weight trains, in float32.")
+    load_in_4bit: bool = arg(False, "QLoRA: hold the frozen base's linear layers in 4-bit NF4 with double "
+                                    "quantization (bitsandbytes: pip install -e \".[qlora]\"), about an eighth of "
+                                    "their float32 memory; the adapter trains in float32 on top. LoRA only.")
+    bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] | None = arg(
+        None, "The dtype the 4-bit layers compute in (default: --mixed_precision's, float32 without).")
     lora_r: int = arg(16, "LoRA rank.")
     lora_alpha: int = arg(32, "LoRA scaling numerator (the update is scaled by alpha / r).")
     lora_dropout: float = arg(0.05, "Dropout on the LoRA input.")
@@ -88,6 +94,11 @@ class ChatModelArguments(CausalLMArguments):
         if self.dtype != "float32" and not self.use_lora:
             raise UserError(f"--dtype {self.dtype} with --no_use_lora would train every weight in {self.dtype}, where "
                             "small updates round away; train in float32 with --mixed_precision bf16, or with LoRA")
+        if self.load_in_4bit and not self.use_lora:
+            raise UserError("--load_in_4bit with --no_use_lora: 4-bit weights cannot train; train LoRA adapters on "
+                            "the 4-bit base (leave out --no_use_lora), or leave out --load_in_4bit")
+        if self.load_in_4bit:
+            require_bitsandbytes()
         try:
             options = json.loads(self.chat_template_kwargs or "{}")
         except json.JSONDecodeError as err:
@@ -96,10 +107,22 @@ class ChatModelArguments(CausalLMArguments):
         if not isinstance(options, dict):
             raise UserError(f"--chat_template_kwargs is {type(options).__name__}; give a JSON object of options")
 
-    @property
-    def base_dtype(self) -> torch.dtype:
-        """``--dtype`` as the dtype the model loads in."""
-        return getattr(torch, self.dtype)
+    def loading_options(self, cfg) -> dict:
+        """``from_pretrained``'s keyword arguments for the model: its dtype (``--dtype``), and under
+        ``--load_in_4bit`` the 4-bit base computing in ``--bnb_4bit_compute_dtype`` (else the run's mixed
+        precision).
+
+        Raises:
+            UserError: ``--load_in_4bit`` with ``--fsdp``.
+        """
+        if not self.load_in_4bit:
+            return {"dtype": getattr(torch, self.dtype)}
+        if cfg.fsdp:
+            raise UserError("--load_in_4bit with --fsdp: FSDP cannot shard 4-bit weights here; leave out --fsdp "
+                            "(each process holds the 4-bit base, a quarter of bfloat16's size)")
+        half = {"bf16": "bfloat16", "fp16": "float16"}.get(run_precision(cfg), "float32")
+        compute = getattr(torch, self.bnb_4bit_compute_dtype or half)
+        return {"dtype": getattr(torch, self.dtype), **four_bit_loading(compute)}
 
     @property
     def template_options(self) -> dict:
@@ -157,10 +180,18 @@ def adapt_chat_model(model, args: ChatModelArguments, tokenizer) -> tuple[torch.
     where the chat template ends a reply (the saved ``generation_config.json`` too); and how the start-up line names
     the adapters ("" without)."""
     model.generation_config.eos_token_id = end_of_turn_ids(tokenizer, args.template_options)
+    if args.load_in_4bit:
+        keep_four_bit_trainable(model)
     if args.use_lora:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
     check_output_layer(model)
-    return model, f"LoRA r={args.lora_r} on {args.lora_target_modules}" if args.use_lora else ""
+    if not args.use_lora:
+        return model, ""
+    described = f"LoRA r={args.lora_r} on {args.lora_target_modules}"
+    if args.load_in_4bit:
+        compute = str(model.config.quantization_config.bnb_4bit_compute_dtype).removeprefix("torch.")
+        described += f" over the base's linear layers in 4-bit NF4, computing in {compute}"
+    return model, described
 
 
 class EvalReplies:

@@ -390,7 +390,7 @@ def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set
         UserError: the model cannot be loaded.
     """
     name = cfg.model_name_or_path or default_chat_model_path()
-    model = load_causal_lm(name, trust_remote_code=cfg.trust_remote_code, dtype=args.base_dtype)
+    model = load_causal_lm(name, trust_remote_code=cfg.trust_remote_code, **args.loading_options(cfg))
     precomputation = None
     precision = run_precision(cfg)
     if args.precompute_ref_log_probs:

@@ -1,0 +1,119 @@
+"""QLoRA (--load_in_4bit): the frozen base in 4-bit NF4 through bitsandbytes, LoRA adapters trained on top."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from helpers import (
+    assert_refused,
+    assert_same_steps,
+    log_history,
+    max_weight_diff,
+    read_weights,
+    run_on,
+    train_here,
+    write_jsonl,
+)
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+from finetune.data.embedded.support_chats import make_support_conversations
+from finetune.models.memory import keep_four_bit_trainable
+
+FLAGS = ["--load_in_4bit", "--learning_rate", "1e-2", "--eval_generate", "0", "--per_device_train_batch_size", "4"]
+
+
+@pytest.fixture(scope="module")
+def chat_files(tmp_path_factory) -> list[str]:
+    folder = tmp_path_factory.mktemp("qlora_data")
+    data = make_support_conversations()
+    train, validation = data["train"]["messages"][:16], data["validation"]["messages"][:4]
+    return ["--train_file", write_jsonl(folder / "train.jsonl", [{"messages": m} for m in train]),
+            "--validation_file", write_jsonl(folder / "validation.jsonl", [{"messages": m} for m in validation]),
+            "--logging_steps", "1"]
+
+
+def four_bit(model_path):
+    """The model at ``model_path`` in 4-bit NF4 computing in float32 (not on bitsandbytes' bfloat16 CPU kernel)."""
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=config, dtype=torch.float32)
+    keep_four_bit_trainable(model)
+    return model
+
+
+def test_the_adapter_trains_loads_on_the_float_base_and_merges_into_the_model_that_trained(tiny_chat_model,
+                                                                                          chat_files, tmp_path):
+    out = tmp_path / "out"
+    result = run_on("sft", tiny_chat_model, chat_files, out, *FLAGS, "--max_train_steps", "4", "--merge_lora")
+    assert "over the base's linear layers in 4-bit NF4, computing in float32" in result.stdout
+    assert "weights trained in float32, frozen in float32/nf4" in result.stdout
+    losses = [row["loss"] for row in log_history(out)]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.1
+    adapter = read_weights(out, "adapter_model.safetensors")
+    rows = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # The adapter is peft's, on the full-precision base as on the 4-bit one.
+        on_float = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_chat_model), out).eval()
+        loaded = {name: weight for name, weight in on_float.state_dict().items() if "lora_" in name}
+        assert len(loaded) == len(adapter) and all(
+            torch.equal(weight, adapter[name.replace(".default", "")]) for name, weight in loaded.items())
+        trained = PeftModel.from_pretrained(four_bit(tiny_chat_model), out).eval()(rows).logits
+        merged_model = AutoModelForCausalLM.from_pretrained(out / "merged")
+        assert getattr(merged_model.config, "quantization_config", None) is None
+        merged = merged_model.eval()(rows).logits
+        float_base = on_float(rows).logits
+    # Merged: the 4-bit weights dequantized, the adapter folded in; the model that trained to float32 rounding,
+    # where the adapter on the original float weights is off by the quantization's error.
+    assert (merged - trained).abs().max() < 1e-4
+    assert (float_base - trained).abs().max() > 1e-2
+
+
+def test_an_evaluation_between_steps_changes_no_gradient(tiny_chat_model, chat_files, tmp_path):
+    """On a CPU with bfloat16 instructions, bitsandbytes moves a layer that runs in eval mode onto a kernel with no
+    backward, for good: the steps after an evaluation would lose the gradients through the frozen layers."""
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "plain", *FLAGS, "--max_train_steps", "3")
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "evaluated", *FLAGS, "--max_train_steps", "3",
+           "--eval_steps", "1")
+    assert_same_steps(log_history(tmp_path / "evaluated"), log_history(tmp_path / "plain"), rel=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["dpo", "grpo"])
+def test_preference_tuning_trains_over_a_four_bit_base(recipe, tiny_chat_model, tmp_path):
+    out = tmp_path / "out"
+    result = train_here(recipe, "--model_name_or_path", str(tiny_chat_model), "--output_dir", str(out), *FLAGS,
+                        "--max_train_steps", "2", "--logging_steps", "1", "--gradient_checkpointing")
+    assert "frozen in float32/nf4" in result.stdout
+    assert len(log_history(out)) == 2 and (out / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--no_use_lora"], ("--load_in_4bit with --no_use_lora", "leave out --no_use_lora")),
+    (["--fsdp"], ("--load_in_4bit with --fsdp", "leave out --fsdp")),
+])
+def test_what_four_bit_weights_cannot_do_is_refused(flags, expected, tiny_chat_model, chat_files, tmp_path):
+    assert_refused("sft", [*chat_files, "--model_name_or_path", str(tiny_chat_model), "--output_dir",
+                           str(tmp_path / "out"), "--load_in_4bit", *flags], tmp_path, *expected)
+
+
+def test_without_bitsandbytes_the_flag_names_the_extra(tiny_chat_model, chat_files, tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "bitsandbytes"
+                        else find_spec(name, *args))
+    assert_refused("sft", [*chat_files, "--model_name_or_path", str(tiny_chat_model), "--output_dir",
+                           str(tmp_path / "out"), "--load_in_4bit"], tmp_path, "bitsandbytes", '".[qlora]"')
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_one_process_and_two_train_alike(tiny_chat_model, chat_files, tmp_path):
+    """The parity LoRA has across world sizes (tests/test_sft.py) holds over the 4-bit base: 1 x 4 equals 2 x 2."""
+    flags = [*FLAGS, "--lora_dropout", "0", "--max_train_steps", "3", "--gradient_accumulation_steps", "2"]
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "one", *flags)
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "two", *flags, "--per_device_train_batch_size", "2",
+           launcher="torchrun", processes=2)
+    assert_same_steps(log_history(tmp_path / "two"), log_history(tmp_path / "one"), rel=1e-5)
+    # AdamW moves a weight by about the learning rate (1e-2) a step: a hundredth of one step.
+    assert max_weight_diff(tmp_path / "two", tmp_path / "one", "adapter_model.safetensors") < 1e-4
