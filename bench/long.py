@@ -2,7 +2,8 @@
 
     python bench/long.py --lengths 4096 --return_freed_memory     # about 6 minutes on 2 CPU cores: long.json
     python bench/long.py --lengths 4096 --results_file bench/results/long-glibc.json   # glibc's defaults
-    python bench/long.py --lengths 8192 16384 --repeats 1 --return_freed_memory       # longer rows (8k: ~2 min a step)
+    python bench/long.py --lengths 4096 8192 --repeats 1 --return_freed_memory \
+        --results_file bench/results/long-8k.json       # 8k rows (~2 min a step) and the estimate at both lengths
 
 Each row is one conversation of about LENGTH tokens: the system and user turns of an embedded support
 conversation, then one long assistant reply (the replies of consecutive embedded conversations, each after its
@@ -23,7 +24,9 @@ big blocks back to the system rises with every big block freed): on long rows th
 gigabytes no tensor uses. ``--return_freed_memory`` runs both sides with ``MALLOC_MMAP_THRESHOLD_`` fixed at 64
 KiB, so that their peaks are of memory in use. The configurations of a length run in a rotated order in each
 repeat, lengths in turn.
-Writes ``bench/results/long.json``: every run, and each length's medians and ratios (taken within a repeat);
+The recipe's runs also record the peak their start-up line predicted (``finetune.models.estimate``), and each
+length its ratio to the measured one. Writes ``bench/results/long.json``: every run, and each length's medians
+and ratios (taken within a repeat);
 lengths measured before and not now stay in it under ``earlier``, with their date.
 """
 
@@ -33,6 +36,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -106,8 +110,12 @@ def run(config: str, train: Path, validation: Path, tokens: int, scratch: Path, 
     assert len(steps) == 2 and len(batches) == 2, (steps, batches)
     seconds = steps[1] - steps[0]
     real_tokens = batches[1][1]
-    return {"peak_rss_mib": round(report["peak_rss_mib"]), "step_seconds": round(seconds, 2),
-            "real_tokens": real_tokens, "tokens_per_second": round(real_tokens / seconds, 1)}
+    figures = {"peak_rss_mib": round(report["peak_rss_mib"]), "step_seconds": round(seconds, 2),
+               "real_tokens": real_tokens, "tokens_per_second": round(real_tokens / seconds, 1)}
+    predicted = re.search(r"predicted peak ([\d.]+) (MiB|GiB)", result.stdout)  # the recipe's start-up estimate
+    if predicted:
+        figures["predicted_peak_mib"] = round(float(predicted[1]) * (1024 if predicted[2] == "GiB" else 1))
+    return figures
 
 
 def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Path) -> None:
@@ -133,6 +141,10 @@ def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Pat
         ratios = {"peak_memory_vs_trl": statistics.median(a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in pairs),
                   "tokens_per_second_vs_trl": statistics.median(a["tokens_per_second"] / b["tokens_per_second"]
                                                                 for a, b in pairs)} if pairs else {}
+        for config, figures in by_config.items():
+            if all("predicted_peak_mib" in run for run in figures):
+                ratios[f"{config}_predicted_vs_measured_peak"] = statistics.median(
+                    run["predicted_peak_mib"] / run["peak_rss_mib"] for run in figures)
         summary[tokens] = {"medians": medians, "ratios": {k: round(v, 3) for k, v in ratios.items()},
                            "failed": {c: [r["failed"][-300:] for r in f if "failed" in r] for c, f in by_config.items()
                                       if any("failed" in r for r in f)}}
@@ -143,8 +155,9 @@ def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Pat
                "summary": summary, "runs": runs}
     if results_file.exists():  # other lengths measured before stay, each with its own date
         previous = json.loads(results_file.read_text())
-        results["earlier"] = {tokens: {**previous["summary"][tokens], "date": previous["date"]}
-                              for tokens in previous["summary"] if tokens not in summary}
+        earlier = {**previous.get("earlier", {}),
+                   **{tokens: {**figures, "date": previous["date"]} for tokens, figures in previous["summary"].items()}}
+        results["earlier"] = {tokens: figures for tokens, figures in earlier.items() if tokens not in summary}
     results_file.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
 

@@ -46,10 +46,12 @@ from finetune.checkpointing.preemption import StopSignals
 from finetune.config import TrainConfig
 from finetune.data.batching import GlobalBatchSampler, padded_tokens
 from finetune.data.cache import load_or_build
+from finetune.distributed.fsdp import is_sharded
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 from finetune.evaluation import Evaluation
 from finetune.hub.pusher import HubPusher, download_last_checkpoint, model_card
+from finetune.models.estimate import predict_memory
 from finetune.models.loading import optimizer_param_groups, weight_dtypes
 from finetune.models.memory import checkpoint_activations
 from finetune.observability.metering import TrainingMeter
@@ -136,7 +138,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         progress.launch_id = launch
         if runtime.is_main_process:  # only now that the run has all it needs may it remove what it replaces
             clear_output_dir(cfg.output_dir, progress, cfg.overwrite_output_dir, getattr(task, "run_files", ()))
-        runtime.print(_start_line(task, cfg, runtime, data.source, setup, sampler, schedule))
+        _announce(task, cfg, runtime, data.source, setup, sampler, schedule, model, progress.epoch)
 
         # -- train (the output folder exists: the main process made it when it took the lock); the bar is
         # closed however the loop ends, so that an error is printed on a line of its own
@@ -304,15 +306,24 @@ def _fresh_progress(cfg: TrainConfig, runtime: Runtime, model) -> Progress:
                     frozen_weights=frozen_weights_digest(model))
 
 
-def _start_line(task: Task, cfg: TrainConfig, runtime: Runtime, source: str, setup, sampler: GlobalBatchSampler,
-                schedule: Schedule) -> str:
+def _announce(task: Task, cfg: TrainConfig, runtime: Runtime, source: str, setup, sampler: GlobalBatchSampler,
+              schedule: Schedule, model, epoch: int) -> None:
+    """The start-up line, then each process's memory predicted (``finetune.models.estimate``), with a warning
+    naming what would make it fit where it does not."""
     truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None else setup.truncated)
-    return (f"training {task.name} on {source}: {len(setup.train_set)} examples ({truncated} cut "
-            f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {weight_dtypes(setup.model)}, "
-            f"{'layers recomputed in the backward pass, ' if cfg.gradient_checkpointing else ''}"
-            f"{schedule.max_steps} steps, "
-            f"{runtime.world_size} process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU thread(s) "
-            f"each [{runtime.name}]")
+    runtime.print(f"training {task.name} on {source}: {len(setup.train_set)} examples ({truncated} cut "
+                  f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {weight_dtypes(setup.model)}, "
+                  f"{'layers recomputed in the backward pass, ' if cfg.gradient_checkpointing else ''}"
+                  f"{schedule.max_steps} steps, "
+                  f"{runtime.world_size} process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU "
+                  f"thread(s) each [{runtime.name}]")
+    # A task that samples its batches (GRPO) has none to count, and a sharded model's forward needs its backward.
+    planned = None if setup.sampler is not None or is_sharded(model) else sampler.plan(epoch, runtime.rank)
+    estimate = predict_memory(runtime.unwrap(model), task.loss, setup.collate, setup.train_set, planned,
+                              runtime.device, LaunchEnvironment.read().local_world_size, cfg.gradient_checkpointing)
+    runtime.print(estimate.line())
+    if runtime.is_main_process and (advice := estimate.advice()):
+        print(f"warning: {advice}", file=sys.stderr, flush=True)
 
 
 def _finish_pushes(hub: HubPusher, cfg: TrainConfig, results: dict, stopped_at: Callable[[], float]) -> None:

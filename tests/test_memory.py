@@ -11,8 +11,12 @@ from helpers import padded_batch, tiny_causal_lm
 from test_lora import adapted
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from finetune.data.batching import TokenizedDataset
 from finetune.errors import UserError
+from finetune.models.estimate import MemoryEstimate, kept_for_backward, predict_memory
 from finetune.models.memory import checkpoint_activations
+from finetune.tasks.causal_lm import label_log_probs
+from finetune.tasks.chat import IGNORE
 
 
 def forward_backward(model, checkpointed: bool) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
@@ -66,3 +70,62 @@ def test_a_model_that_cannot_recompute_its_layers_is_refused():
 
     with pytest.raises(UserError, match=r"--gradient_checkpointing: Plain cannot recompute its layers"):
         checkpoint_activations(Plain())
+
+
+def collate_padded(rows: list[dict]) -> dict:
+    longest = max(len(row["input_ids"]) for row in rows)
+    ids = torch.tensor([row["input_ids"] + [0] * (longest - len(row["input_ids"])) for row in rows])
+    labels = torch.tensor([row["labels"] + [IGNORE] * (longest - len(row["labels"])) for row in rows])
+    return {"input_ids": ids, "attention_mask": (labels != IGNORE).long() | (ids != 0).long(), "labels": labels}
+
+
+def chat_loss(model, batch):
+    return -label_log_probs(model, batch)[0].sum()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_activations_predicted_for_the_longest_micro_batch_are_what_it_keeps(checkpointing):
+    """The longest micro-batch (2 padded rows of 1,800 and 2,000 tokens, whose attention keeps its scores) counted
+    with its rows cut to a quarter and a half of their lengths, fitted: within 10% of what it keeps, counted
+    exactly, both ways (a fit linear in the tokens gives 0.43x); the model's mode, layers and random state as they
+    were."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = [40, 60, 250, 300, 1800, 2000]
+    rows = {"input_ids": [torch.randint(1, 500, (n,), generator=generator).tolist() for n in lengths]}
+    rows["labels"] = [[IGNORE] * 10 + ids[10:] for ids in rows["input_ids"]]
+    train_set = TokenizedDataset.from_dict(rows)
+    model = adapted(0.05).eval()
+    if checkpointing:
+        checkpoint_activations(model)
+    torch.manual_seed(5)
+    estimate = predict_memory(model, chat_loss, collate_padded, train_set, [[0, 1], [2, 3], [4, 5]],
+                              torch.device("cpu"), 1, checkpointing)
+    drawn_after = torch.rand(1)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(1), drawn_after) and not model.training
+    assert model.get_base_model().is_activation_checkpointing == checkpointing
+    longest = collate_padded([train_set[4], train_set[5]])
+    plain, recomputing = adapted(0.05).train(), adapted(0.05).train()
+    checkpoint_activations(recomputing)
+    kept = kept_for_backward(lambda: chat_loss(plain, dict(longest)), plain)
+    recomputed = kept_for_backward(lambda: chat_loss(recomputing, dict(longest)), recomputing)
+    recomputed += kept / 2  # one of the 2 layers recomputed at a time, holding what it keeps
+    predicted = (estimate.other_way, estimate.activations) if checkpointing else (
+        estimate.activations, estimate.other_way)
+    assert estimate.tokens == "2 x 2000"
+    assert predicted[0] == pytest.approx(kept, rel=0.1) and predicted[1] == pytest.approx(recomputed, rel=0.1)
+    assert recomputed < 0.6 * kept  # the two ways differ by more than the tolerance
+    trained = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert (estimate.gradients, estimate.optimizer) == (trained, 2 * trained)
+
+
+def test_a_peak_past_the_capacity_names_the_flag_that_would_make_it_fit():
+    def estimate(capacity: int, checkpointing: bool = False) -> MemoryEstimate:
+        return MemoryEstimate(in_use=2 * 2**30, gradients=2**20, optimizer=2**21, activations=20 * 2**30,
+                              other_way=2**30, checkpointing=checkpointing, tokens="1 x 32768", capacity=capacity,
+                              device="machine")
+    assert estimate(24 * 2**30).advice() is None
+    assert estimate(16 * 2**30).advice() == ("the predicted peak, 22.0 GiB, passes the 16.0 GiB this process has: "
+                                             "--gradient_checkpointing would make it about 3.0 GiB")
+    assert "a smaller --per_device_train_batch_size or --max_seq_length" in estimate(2 * 2**30).advice()
+    assert "--gradient_checkpointing" not in estimate(16 * 2**30, checkpointing=True).advice()

@@ -1,6 +1,7 @@
 """Models: loading models and tokenizers by Hub id or folder with errors a user can act on, the embedded default
 models and the optimizer's parameter groups (``loading``), LoRA adapters through peft (``lora``), what a model
-keeps in memory while it trains (``memory``: activation checkpointing).
+keeps in memory while it trains (``memory``: activation checkpointing, 4-bit base weights) and a process's peak
+predicted before its first step (``estimate``).
 
-May import: distributed, checkpointing and the core.
+May import: distributed, data, checkpointing and the core.
 """

@@ -1,0 +1,201 @@
+"""A process's peak memory predicted before its first step: what is in use once the model is loaded, the gradients
+and AdamW's states of the trained weights, and what the backward pass of the longest micro-batch keeps, counted on
+a short one."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from finetune.data.batching import padded_tokens
+from finetune.models.memory import checkpoint_activations
+
+__all__ = ["MemoryEstimate", "kept_for_backward", "predict_memory"]
+
+COUNTED_TOKENS = 2048
+"""The longest micro-batch counted as it is; a longer one is counted at about a half and a quarter of this."""
+
+
+def kept_for_backward(forward: Callable[[], torch.Tensor], model: torch.nn.Module) -> int:
+    """The bytes ``forward()`` leaves kept for its backward pass: every tensor autograd saves (each storage once,
+    the weights not counted), and the input of each checkpointed layer, which the recompute holds outside autograd.
+    """
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    layers = [module for module in model.modules()
+              if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing]
+    hooks = [layer.register_forward_pre_hook(lambda module, args: keep(args[0])) for layer in layers]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            forward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return sum(kept.values())
+
+
+@dataclass
+class MemoryEstimate:
+    """One process's predicted peak, in bytes, and what it is made of."""
+
+    in_use: int
+    """Now, before the first step: the libraries, the data and the weights as loaded (on a GPU, its allocation)."""
+    gradients: int
+    optimizer: int
+    activations: int | None
+    """Kept for the backward pass of the longest micro-batch, as this run keeps them; None where not predicted."""
+    other_way: int | None
+    """The same with the layers recomputed where this run keeps them, and the other way round."""
+    checkpointing: bool
+    tokens: str
+    """The longest micro-batch, as rows x tokens."""
+    capacity: int
+    """What this process may use: the GPU's memory, or the machine's shared by the processes on it."""
+    device: str
+
+    @property
+    def peak(self) -> int:
+        return self.in_use + self.gradients + self.optimizer + (self.activations or 0)
+
+    def line(self) -> str:
+        activations = ("activations not predicted (the batches are sampled as the run goes)" if self.activations is None
+                       else f"{_size(self.activations)} activations of the longest micro-batch ({self.tokens} tokens; "
+                            + ("the architecture cannot recompute its layers" if self.other_way is None else
+                               f"{_size(self.other_way)} {'without' if self.checkpointing else 'with'} "
+                               "--gradient_checkpointing") + ")")
+        return (f"memory per process, predicted peak {_size(self.peak)}: {_size(self.in_use)} in use now (libraries, "
+                f"data, weights), {_size(self.gradients)} gradients, {_size(self.optimizer)} optimizer states, "
+                f"{activations}; this {self.device} has {_size(self.capacity)} for it")
+
+    def advice(self) -> str | None:
+        """What would make the run fit, when the predicted peak passes the capacity."""
+        if self.peak <= self.capacity:
+            return None
+        passes = f"the predicted peak, {_size(self.peak)}, passes the {_size(self.capacity)} this process has"
+        if not self.checkpointing and self.other_way is not None:
+            recomputed = self.peak - self.activations + self.other_way
+            if recomputed <= self.capacity:
+                return f"{passes}: --gradient_checkpointing would make it about {_size(recomputed)}"
+        return (f"{passes}: a smaller --per_device_train_batch_size or --max_seq_length shrinks the activations, "
+                "--load_in_4bit (chat recipes, LoRA) the frozen weights")
+
+
+def _size(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB" if size < 2**30 else f"{size / 2**30:.1f} GiB"
+
+
+def predict_memory(model: torch.nn.Module, loss: Callable, collate: Callable, train_set,
+                   micro_batches: Iterable[list[int]] | None,
+                   device: torch.device, local_processes: int, checkpointing: bool) -> MemoryEstimate:
+    """The peak of a process training ``model`` (unwrapped, on ``device``) on ``micro_batches`` (this process's
+    plan of an epoch: lists of ``train_set`` indices, or None where the task samples its batches) with ``loss(model,
+    batch)``, its activations counted both ways, with and without recomputed layers (``_longest_kept``); the random
+    state and the model's mode and layers are left as they were."""
+    in_use = _in_use(device)  # before the count, whose freed memory the C allocator may keep
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    activations = other_way = None
+    tokens = ""
+    if micro_batches is not None:
+        lengths = train_set.lengths
+        longest = max(micro_batches, key=lambda batch: len(batch) * int(lengths[list(batch)].max()))
+        tokens = f"{len(longest)} x {int(lengths[list(longest)].max())}"
+        kept, recomputed = _longest_kept(model, loss, collate, [train_set[i] for i in longest], device, checkpointing)
+        activations, other_way = (recomputed, kept) if checkpointing else (kept, recomputed)
+    return MemoryEstimate(in_use=in_use, gradients=trained, optimizer=2 * trained, activations=activations,
+                          other_way=other_way, checkpointing=checkpointing, tokens=tokens,
+                          capacity=_capacity(device, local_processes),
+                          device="GPU" if device.type == "cuda" else "machine")
+
+
+def _longest_kept(model, loss, collate, rows: list[dict], device: torch.device, checkpointing: bool
+                  ) -> tuple[int, int | None]:
+    """What the micro-batch of ``rows`` keeps for its backward pass with every activation kept, and at the peak of
+    its backward with the layers recomputed (their inputs, and one layer's activations while it is recomputed; None
+    where the architecture cannot recompute them).
+
+    A micro-batch of up to ``COUNTED_TOKENS`` is counted itself. A longer one is counted with each row (each of its
+    token lists) cut to a fraction f of its length, at f and 2f, and fitted with ``A f + B f^2`` at f = 1: the
+    attention's scores grow with the square of a row's length where the kernel keeps them (a mask on a CPU). Cut in
+    proportion, the rows keep their padding, which chooses the kernel."""
+    layers = sum(isinstance(module, GradientCheckpointingLayer) for module in model.modules()) or 1
+
+    def counted(fraction: float) -> tuple[float, float | None]:
+        cut = [{key: value[:max(1, math.ceil(len(value) * fraction))] if isinstance(value, list) else value
+                for key, value in row.items()} for row in rows]
+        batch = {key: value.to(device) if isinstance(value, torch.Tensor) else value
+                 for key, value in collate(cut).items()}
+        kept, recomputed = _count_both_ways(model, loss, batch, device, checkpointing)
+        return kept, None if recomputed is None else recomputed + kept / layers
+
+    whole = padded_tokens({key: value for key, value in collate(rows).items() if isinstance(value, torch.Tensor)})
+    if whole <= COUNTED_TOKENS:
+        kept, recomputed = counted(1.0)
+        return int(kept), recomputed and int(recomputed)
+    fraction = COUNTED_TOKENS / 2 / whole
+    first, second = counted(fraction), counted(2 * fraction)
+
+    def fitted(at_f: float | None, at_2f: float | None) -> int | None:
+        if at_f is None:
+            return None
+        squared = max(0.0, (at_2f - 2 * at_f) / 2)  # B f^2
+        return int((at_f - squared) / fraction + squared / fraction**2)
+    return fitted(first[0], second[0]), fitted(first[1], second[1])
+
+
+def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointing: bool) -> tuple[int, int | None]:
+    """What one training forward of ``batch`` keeps with every activation kept, and with the layers recomputed
+    (None where the architecture cannot recompute them); the model is left as it was."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    recomputable = getattr(base, "supports_gradient_checkpointing", False)
+    training = model.training
+    counts: dict[bool, int | None] = {True: None}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model.train()
+        for recompute in (False, True) if recomputable else (False,):
+            _recompute_layers(model, base, recompute)
+            counts[recompute] = kept_for_backward(lambda: loss(model, dict(batch)), model)
+        _recompute_layers(model, base, checkpointing)
+    model.train(training)
+    return counts[False], counts[True]
+
+
+def _recompute_layers(model, base, on: bool) -> None:
+    if on and not base.is_activation_checkpointing:
+        checkpoint_activations(model)
+    elif not on and base.is_activation_checkpointing:
+        base.activation_checkpointing_disable()
+        if getattr(base, "_require_grads_hook", None) is not None:  # set by the enabling, not removed by this
+            base.disable_input_require_grads()
+
+
+def _in_use(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _capacity(device: torch.device, local_processes: int) -> int:
+    """The GPU's memory, or this machine's (its container's limit, where lower) over the processes on it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit:
+            text = limit.read().strip()
+        total = min(total, int(text)) if text.isdigit() else total
+    except OSError:
+        pass
+    return math.floor(total / local_processes)
