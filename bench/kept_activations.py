@@ -6,7 +6,8 @@ with its layers recomputed in the backward pass (``--gradient_checkpointing``).
 SmolLM2-135M-Instruct with LoRA (r 16 on every linear layer), one forward pass of the recipe's loss over 8 rows
 of 512 tokens (the last 162 of each trained, as in the memory comparison of bench/run.py --suite sft): the bytes
 of every tensor autograd keeps for the backward pass (each storage once, the weights not counted), counted with
-``torch.autograd.graph.saved_tensors_hooks``. The three ways: peft's own layers with dropout 0.05, the package's
+``torch.autograd.graph.saved_tensors_hooks`` (``finetune.models.estimate.kept_for_backward``, which the recipes'
+start-up estimate uses). The three ways: peft's own layers with dropout 0.05, the package's
 (``finetune.models.lora.add_lora``, whose ``DropoutLinear`` keeps the dropout's mask instead of a dropped copy), and no
 dropout; then the package's with dropout 0.05 and every layer checkpointed, where the count adds each layer's input,
 which the recompute holds outside autograd. The count is exact and the same on every run, unlike resident memory,
@@ -24,8 +25,8 @@ from pathlib import Path
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model
-from transformers.modeling_layers import GradientCheckpointingLayer
 
+from finetune.models.estimate import kept_for_backward
 from finetune.models.loading import default_chat_model_path
 from finetune.models.lora import add_lora
 from finetune.models.memory import checkpoint_activations
@@ -35,33 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 ROWS, TOKENS, TRAINED = 8, 512, 162
 
 
-def kept_bytes(model, batch: dict) -> int:
-    """Bytes of the tensors autograd keeps for the backward pass of one training forward of the chat recipe's
-    loss over ``batch``, each storage once, the weights not counted."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    def pack_input(module, args):  # a checkpointed layer's input, held by the recompute outside autograd
-        pack(args[0])
-
-    layers = [module for module in model.modules()
-              if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing]
-    hooks = [layer.register_forward_pre_hook(pack_input) for layer in layers]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        label_log_probs(model.train(), dict(batch))
-    for hook in hooks:
-        hook.remove()
-    return sum(kept.values())
-
-
 def kept_by(way: str) -> int:
-    """The MiB kept one way, in a process of its own (each forward keeps gigabytes)."""
+    """The MiB kept one way, in a process of its own."""
     torch.manual_seed(0)
     ids = torch.randint(3, 49_000, (ROWS, TOKENS))
     labels = ids.clone()
@@ -75,7 +51,7 @@ def kept_by(way: str) -> int:
         model = add_lora(model, 16, 32, 0.0 if way == "no_dropout" else 0.05, "all-linear")
     if way == "finetune_dropout_0.05_checkpointed":
         checkpoint_activations(model)
-    return round(kept_bytes(model, batch) / 2**20)
+    return round(kept_for_backward(lambda: label_log_probs(model.train(), dict(batch)), model) / 2**20)
 
 
 def main(results_file: Path) -> None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-from helpers import TINY_LM_SIZES, load_script, padded_batch, tiny_causal_lm
+from helpers import TINY_LM_SIZES, padded_batch, tiny_causal_lm
 from peft import LoraConfig, get_peft_model
 
+from finetune.models.estimate import kept_for_backward
 from finetune.models.lora import DropoutLinear, add_lora
 from finetune.tasks.causal_lm import label_log_probs
 
@@ -39,7 +40,7 @@ def two_steps(model) -> list:
 
 def kept_bytes(model) -> int:
     """What one training forward keeps for the backward pass, counted as bench/kept_activations.py counts it."""
-    return load_script("bench", "kept_activations").kept_bytes(model, padded_batch())
+    return kept_for_backward(lambda: label_log_probs(model, padded_batch()), model)
 
 
 def test_lora_dropout_gives_peft_s_log_probs_and_gradients_exactly_step_after_step():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import padded_batch, tiny_causal_lm
 from test_lora import adapted
+from torch.multiprocessing.reductions import StorageWeakRef
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from finetune.data.batching import TokenizedDataset
@@ -129,3 +130,21 @@ def test_a_peak_past_the_capacity_names_the_flag_that_would_make_it_fit():
                                              "--gradient_checkpointing would make it about 3.0 GiB")
     assert "a smaller --per_device_train_batch_size or --max_seq_length" in estimate(2 * 2**30).advice()
     assert "--gradient_checkpointing" not in estimate(16 * 2**30, checkpointing=True).advice()
+
+
+def test_counting_what_a_forward_keeps_keeps_none_of_it():
+    """The estimate counts a micro-batch's forward without holding its activations (which would raise the run's
+    peak by as much): each saved tensor is freed once the forward no longer uses it."""
+    x = torch.randn(1000, 1000, requires_grad=True)
+    freed = []
+
+    def forward():
+        y = x.exp()  # autograd saves the result
+        storage = StorageWeakRef(y.untyped_storage())
+        total = y.sum()
+        del y
+        freed.append(storage.expired())
+        return total
+
+    assert kept_for_backward(forward, torch.nn.Linear(1, 1)) == 4_000_000
+    assert freed == [True]

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from finetune.data.batching import padded_tokens
@@ -21,29 +22,34 @@ COUNTED_TOKENS = 2048
 """The longest micro-batch counted as it is; a longer one is counted at about a half and a quarter of this."""
 
 
-def kept_for_backward(forward: Callable[[], torch.Tensor], model: torch.nn.Module) -> int:
-    """The bytes ``forward()`` leaves kept for its backward pass: every tensor autograd saves (each storage once,
+def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module) -> int:
+    """The bytes ``forward()`` would leave kept for a backward pass: every tensor autograd saves (each storage once,
     the weights not counted), and the input of each checkpointed layer, which the recompute holds outside autograd.
-    """
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
 
-    def keep(tensor: torch.Tensor) -> torch.Tensor:
+    Counted, not kept: each saved tensor is dropped as it is counted, so the count needs no more memory than a
+    forward pass without gradients, and its graph can run no backward pass."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    alive: dict[int, StorageWeakRef] = {}  # counted storages by address, while they live (an address is reused)
+    kept = 0
+
+    def count(tensor: torch.Tensor) -> None:
+        nonlocal kept
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        address = storage.data_ptr()
+        if address not in weights and (address not in alive or alive[address].expired()):
+            alive[address] = StorageWeakRef(storage)
+            kept += storage.nbytes()
 
     layers = [module for module in model.modules()
               if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing]
-    hooks = [layer.register_forward_pre_hook(lambda module, args: keep(args[0])) for layer in layers]
+    hooks = [layer.register_forward_pre_hook(lambda module, args: count(args[0])) for layer in layers]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda nothing: nothing):
             forward()
     finally:
         for hook in hooks:
             hook.remove()
-    return sum(kept.values())
+    return kept
 
 
 @dataclass
