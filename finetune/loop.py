@@ -317,10 +317,11 @@ def _announce(task: Task, cfg: TrainConfig, runtime: Runtime, source: str, setup
                   f"{schedule.max_steps} steps, "
                   f"{runtime.world_size} process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU "
                   f"thread(s) each [{runtime.name}]")
-    # A task that samples its batches (GRPO) has none to count, and a sharded model's forward needs its backward.
-    planned = None if setup.sampler is not None or is_sharded(model) else sampler.plan(epoch, runtime.rank)
-    estimate = predict_memory(runtime.unwrap(model), task.loss, setup.collate, setup.train_set, planned,
-                              runtime.device, LaunchEnvironment.read().local_world_size, cfg.gradient_checkpointing)
+    not_counted = ("the batches are sampled as the run goes" if setup.sampler is not None else
+                   "a sharded model's forward needs its backward" if is_sharded(model) else "")
+    estimate = predict_memory(runtime.unwrap(model), task.loss, setup.collate, setup.train_set,
+                              None if not_counted else sampler.plan(epoch, runtime.rank), runtime.device,
+                              LaunchEnvironment.read().local_world_size, cfg.gradient_checkpointing, not_counted)
     runtime.print(estimate.line())
     if runtime.is_main_process and (advice := estimate.advice()):
         print(f"warning: {advice}", file=sys.stderr, flush=True)

@@ -1,6 +1,6 @@
 """A process's peak memory predicted before its first step: what is in use once the model is loaded, the gradients
 and AdamW's states of the trained weights, and what the backward pass of the longest micro-batch keeps, counted on
-a short one."""
+it or on its rows cut short."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class MemoryEstimate:
     gradients: int
     optimizer: int
     activations: int | None
-    """Kept for the backward pass of the longest micro-batch, as this run keeps them; None where not predicted."""
+    """Kept for the backward pass of the longest micro-batch, as this run keeps them; None where not counted."""
     other_way: int | None
     """The same with the layers recomputed where this run keeps them, and the other way round."""
     checkpointing: bool
@@ -70,13 +70,15 @@ class MemoryEstimate:
     capacity: int
     """What this process may use: the GPU's memory, or the machine's shared by the processes on it."""
     device: str
+    not_counted: str = ""
+    """Why the activations are not counted, where they are not."""
 
     @property
     def peak(self) -> int:
         return self.in_use + self.gradients + self.optimizer + (self.activations or 0)
 
     def line(self) -> str:
-        activations = ("activations not predicted (the batches are sampled as the run goes)" if self.activations is None
+        activations = (f"activations not counted ({self.not_counted})" if self.activations is None
                        else f"{_size(self.activations)} activations of the longest micro-batch ({self.tokens} tokens; "
                             + ("the architecture cannot recompute its layers" if self.other_way is None else
                                f"{_size(self.other_way)} {'without' if self.checkpointing else 'with'} "
@@ -103,12 +105,12 @@ def _size(size: int) -> str:
 
 
 def predict_memory(model: torch.nn.Module, loss: Callable, collate: Callable, train_set,
-                   micro_batches: Iterable[list[int]] | None,
-                   device: torch.device, local_processes: int, checkpointing: bool) -> MemoryEstimate:
+                   micro_batches: Iterable[list[int]] | None, device: torch.device, local_processes: int,
+                   checkpointing: bool, not_counted: str = "") -> MemoryEstimate:
     """The peak of a process training ``model`` (unwrapped, on ``device``) on ``micro_batches`` (this process's
-    plan of an epoch: lists of ``train_set`` indices, or None where the task samples its batches) with ``loss(model,
-    batch)``, its activations counted both ways, with and without recomputed layers (``_longest_kept``); the random
-    state and the model's mode and layers are left as they were."""
+    plan of an epoch: lists of ``train_set`` indices; None, saying why in ``not_counted``, where the activations
+    cannot be counted) with ``loss(model, batch)``, its activations counted both ways, with and without recomputed
+    layers (``_longest_kept``); the random state and the model's mode and layers are left as they were."""
     in_use = _in_use(device)  # before the count, whose freed memory the C allocator may keep
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     activations = other_way = None
@@ -122,7 +124,8 @@ def predict_memory(model: torch.nn.Module, loss: Callable, collate: Callable, tr
     return MemoryEstimate(in_use=in_use, gradients=trained, optimizer=2 * trained, activations=activations,
                           other_way=other_way, checkpointing=checkpointing, tokens=tokens,
                           capacity=_capacity(device, local_processes),
-                          device="GPU" if device.type == "cuda" else "machine")
+                          device="GPU" if device.type == "cuda" else "machine",
+                          not_counted=not_counted)
 
 
 def _longest_kept(model, loss, collate, rows: list[dict], device: torch.device, checkpointing: bool
