@@ -364,14 +364,23 @@ def reply_log_probs(model, batch: dict, temperature: float = 1.0) -> torch.Tenso
     cache: each reply then runs as one row with its prompt.
     """
     inner = unwrap(model)
-    head, keyword = inner.get_output_embeddings(), cache_keyword(inner)
     prompt_ids, prompt_mask = _unpadded(batch["prompt_ids"], batch["prompt_mask"])
     reply_ids, reply_mask, prompt_of = *_unpadded(batch["reply_ids"], batch["reply_mask"]), batch["prompt_of"]
-    lengths = prompt_mask.sum(1)
     if getattr(inner, "is_activation_checkpointing", False) and inner.training and torch.is_grad_enabled():
         log_probs = _reply_rows_log_probs(model, inner, prompt_ids[prompt_of], prompt_mask[prompt_of], reply_ids,
                                           reply_mask, temperature)
-        return torch.nn.functional.pad(log_probs, (0, batch["reply_ids"].shape[1] - reply_ids.shape[1]))
+    else:
+        log_probs = _shared_prompt_log_probs(model, inner, prompt_ids, prompt_mask, reply_ids, reply_mask, prompt_of,
+                                             temperature)
+    return torch.nn.functional.pad(log_probs, (0, batch["reply_ids"].shape[1] - reply_ids.shape[1]))
+
+
+def _shared_prompt_log_probs(model, inner, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                             reply_ids: torch.Tensor, reply_mask: torch.Tensor, prompt_of: torch.Tensor,
+                             temperature: float) -> torch.Tensor:
+    """``reply_log_probs`` with each prompt run once and its KV cache copied to its replies."""
+    head, keyword = inner.get_output_embeddings(), cache_keyword(inner)
+    lengths = prompt_mask.sum(1)
     with _output_layer_input(head) as seen:
         outputs = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True)
     last = seen["hidden"][prompt_of, lengths[prompt_of] - 1]
@@ -384,8 +393,7 @@ def reply_log_probs(model, batch: dict, temperature: float = 1.0) -> torch.Tenso
     labelled = reply_mask.bool()
     hidden = torch.cat([last[:, None], seen["hidden"][:, :-1]], 1)[labelled]
     log_probs = _head_log_probs(inner, seen, hidden, reply_ids[labelled], temperature=temperature)
-    log_probs = torch.zeros(reply_ids.shape, device=log_probs.device).masked_scatter(labelled, log_probs)
-    return torch.nn.functional.pad(log_probs, (0, batch["reply_ids"].shape[1] - reply_ids.shape[1]))
+    return torch.zeros(reply_ids.shape, device=log_probs.device).masked_scatter(labelled, log_probs)
 
 
 def _reply_rows_log_probs(model, inner, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, reply_ids: torch.Tensor,
