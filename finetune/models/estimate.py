@@ -140,20 +140,21 @@ def _longest_kept(model, loss, collate, rows: list[dict], device: torch.device, 
     proportion, the rows keep their padding, which chooses the kernel."""
     layers = sum(isinstance(module, GradientCheckpointingLayer) for module in model.modules()) or 1
 
-    def counted(fraction: float) -> tuple[float, float | None]:
-        cut = [{key: value[:max(1, math.ceil(len(value) * fraction))] if isinstance(value, list) else value
-                for key, value in row.items()} for row in rows]
-        batch = {key: value.to(device) if isinstance(value, torch.Tensor) else value
-                 for key, value in collate(cut).items()}
+    def counted(batch: dict) -> tuple[float, float | None]:
+        batch = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
         kept, recomputed = _count_both_ways(model, loss, batch, device, checkpointing)
         return kept, None if recomputed is None else recomputed + kept / layers
 
-    whole = padded_tokens({key: value for key, value in collate(rows).items() if isinstance(value, torch.Tensor)})
-    if whole <= COUNTED_TOKENS:
-        kept, recomputed = counted(1.0)
+    def cut(fraction: float) -> dict:
+        return collate([{key: value[:max(1, math.ceil(len(value) * fraction))] if isinstance(value, list) else value
+                         for key, value in row.items()} for row in rows])
+
+    whole = collate(rows)
+    if padded_tokens(whole) <= COUNTED_TOKENS:
+        kept, recomputed = counted(whole)
         return int(kept), recomputed and int(recomputed)
-    fraction = COUNTED_TOKENS / 2 / whole
-    first, second = counted(fraction), counted(2 * fraction)
+    fraction = COUNTED_TOKENS / 2 / padded_tokens(whole)
+    first, second = counted(cut(fraction)), counted(cut(2 * fraction))
 
     def fitted(at_f: float | None, at_2f: float | None) -> int | None:
         if at_f is None:

@@ -104,12 +104,13 @@ def save_adapter(model, state_dict: dict, tokenizer, output_dir: str, merge: boo
         # Sharded weights are split across processes, and peft folds an adapter into 4-bit weights by quantizing
         # the sum again: merge into a full-precision copy on this process, holding the 4-bit weights dequantized
         # (the model that trained) where there are any.
-        if is_sharded(model) or is_four_bit(model):
+        four_bit = is_four_bit(model)
+        if is_sharded(model) or four_bit:
             from peft import PeftModel
 
             base = type(model.get_base_model()).from_pretrained(model.peft_config["default"].base_model_name_or_path,
                                                                 dtype=torch.float32)
-            if is_four_bit(model):
+            if four_bit:
                 dequantize_into(model, base)
             model = PeftModel.from_pretrained(base, output_dir)
         merged = model.merge_and_unload()
