@@ -5,3 +5,9 @@ predicted before its first step (``estimate``).
 
 May import: distributed, data, checkpointing and the core.
 """
+
+import logging
+
+# Where bitsandbytes is installed, peft imports it, and its CPU backend then looks for an optional Hub kernel and
+# warns when it is not there, in every run that loads peft; the kernel it falls back to computes the same thing.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)

@@ -41,13 +41,8 @@ def four_bit_loading(compute_dtype: torch.dtype) -> dict:
     """``from_pretrained``'s keyword arguments for QLoRA's frozen base: every linear layer but the output head
     in 4-bit NF4 with double quantization, computing in ``compute_dtype``; on a GPU, loaded straight onto this
     process's device (bitsandbytes quantizes as the weights arrive there)."""
-    import logging
-
     import transformers
 
-    # bitsandbytes' CPU backend looks for an optional Hub kernel at import and warns when it is not there; the
-    # kernel it falls back to computes the same thing.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                              bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype)
     placement = {"device_map": {"": torch.cuda.current_device()}} if torch.cuda.is_available() else {}
