@@ -4,10 +4,10 @@ The core, here: ``errors`` (the one-line refusals and the entry point), ``enviro
 ``config`` (options, YAML and command line), ``task`` (what a recipe plugs in), ``loop`` (the shared training loop),
 ``evaluation`` (its exact evaluation), ``recipe`` (a recipe's command line around it) and ``cli`` (the ``finetune``
 command, the launchers that show a refusal once). The rooms, each a sub-package that says what it may import, from
-the top down: ``export`` (``python -m finetune.export``: a trained folder as GGUF or a merged folder), beside the
-core's commands; ``runtimes`` and ``tasks``; ``models``, ``hub`` and ``observability``; ``distributed`` and ``data``;
-``checkpointing``. Importing the package loads none of them, so a
-recipe checks its flags before the loop and its libraries load.
+the top down: ``chat`` over ``predict``, and ``export``: the commands that use a trained folder (``python -m
+finetune.chat``, ``finetune.predict``, ``finetune.export``), beside the core's commands; ``runtimes`` and
+``tasks``; ``models``, ``hub`` and ``observability``; ``distributed`` and ``data``; ``checkpointing``. Importing
+the package loads none of them, so a recipe checks its flags before the loop and its libraries load.
 """
 
 __version__ = "0.1.0"

@@ -218,7 +218,7 @@ def test_what_cannot_be_exported_is_refused_in_one_line_before_anything_loads_or
     from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
     from finetune.export import gguf_file
-    from finetune.export.trained import load_trained
+    from finetune.models.trained import load_trained
 
     adapter = saved_adapter(chat_model, tmp_path / "adapter")
     config = json.loads((adapter / "adapter_config.json").read_text())

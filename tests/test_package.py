@@ -46,14 +46,15 @@ def test_the_import_graph_reads_every_form_of_import(tmp_path):
 
 
 LAYERS = {
-    "finetune.cli": 7, "finetune.recipe": 7, "finetune.export": 7, "finetune.loop": 6, "finetune.evaluation": 5,
+    "finetune.chat": 8, "finetune.cli": 7, "finetune.recipe": 7, "finetune.export": 7, "finetune.predict": 7,
+    "finetune.loop": 6, "finetune.evaluation": 5,
     "finetune.runtimes": 4,
     "finetune.tasks": 4, "finetune.models": 3, "finetune.hub": 3, "finetune.observability": 3,
     "finetune.distributed": 2, "finetune.data": 2, "finetune.checkpointing": 1, "finetune": 0,
 }
 """Each room's floor: a module imports rooms on lower floors, and modules of its own room (the core, at floor 0:
 errors, environment, config, task). ``recipe`` loads the loop once a recipe's flags are good; ``cli`` is the
-``finetune`` command; ``export`` the command that turns a trained folder into what runs it."""
+``finetune`` command; ``export``, ``predict`` and ``chat`` (over ``predict``'s replies) use a trained folder."""
 
 
 def room(module: str) -> str:

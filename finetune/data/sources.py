@@ -17,7 +17,7 @@ from huggingface_hub import constants
 from finetune.data.embedded import EmbeddedDataset
 from finetune.errors import UserError
 
-__all__ = ["FILE_BUILDERS", "check_columns", "file_digest", "load_splits"]
+__all__ = ["FILE_BUILDERS", "check_columns", "file_digest", "load_splits", "read_file"]
 
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 """File extensions ``datasets`` reads, and the builder for each."""
@@ -51,6 +51,12 @@ def load_splits(cfg, default: EmbeddedDataset, readers: dict[str, Callable[[str]
         if len(raw[split]) == 0:
             raise UserError(f"{split} data is empty; give {flag} a file with at least one row")
     return raw, source
+
+
+def read_file(path: str, flag: str, readers: dict[str, Callable[[str], datasets.Dataset]] | None = None
+              ) -> datasets.Dataset:
+    """One file's rows, read as ``load_splits`` reads a training file (raising its ``UserError``s)."""
+    return _load_file(path, flag, readers or {}, reread=False)
 
 
 def check_columns(raw: datasets.DatasetDict, columns: list[str], flags: str) -> datasets.DatasetDict:

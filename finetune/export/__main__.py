@@ -16,7 +16,7 @@ from finetune.errors import UserError, run_main
 from finetune.export.gguf_file import QUANTS, architecture_of, write_gguf
 from finetune.export.merged import write_merged
 from finetune.export.ollama import write_modelfile
-from finetune.export.trained import load_trained, trained_config
+from finetune.models.trained import load_trained, trained_config
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

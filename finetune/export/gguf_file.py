@@ -110,7 +110,7 @@ def architecture_of(config) -> Architecture:
 
 
 def write_gguf(trained, path: Path, quant: str) -> None:
-    """``trained`` (``finetune.export.trained.Trained``) as a GGUF file at ``path``, its 2-D weights in
+    """``trained`` (``finetune.models.trained.Trained``) as a GGUF file at ``path``, its 2-D weights in
     ``quant`` (1-D ones, norms and biases, in float32 as llama.cpp keeps them), written beside and renamed into
     place so a failed export leaves nothing half-written."""
     import gguf

@@ -10,7 +10,7 @@ __all__ = ["write_merged"]
 
 
 def write_merged(trained, folder: Path, dtype: str) -> None:
-    """``trained`` (``finetune.export.trained.Trained``) saved in ``folder``, written beside and renamed into
+    """``trained`` (``finetune.models.trained.Trained``) saved in ``folder``, written beside and renamed into
     place so a failed export leaves nothing half-written."""
     import torch
 

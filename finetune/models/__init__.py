@@ -1,7 +1,8 @@
 """Models: loading models and tokenizers by Hub id or folder with errors a user can act on, the embedded default
 models and the optimizer's parameter groups (``loading``), LoRA adapters through peft (``lora``), what a model
-keeps in memory while it trains (``memory``: activation checkpointing, 4-bit base weights) and a process's peak
-predicted before its first step (``estimate``).
+keeps in memory while it trains (``memory``: activation checkpointing, 4-bit base weights), a process's peak
+predicted before its first step (``estimate``) and a chat run's output folder read back as one model, any adapter
+merged (``trained``).
 
 May import: distributed, data, checkpointing and the core.
 """

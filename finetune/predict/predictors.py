@@ -1,0 +1,147 @@
+"""What each recipe's model predicts for a row: a classifier its label and every label's probability, a tagger
+each word's tag and the entities they spell (BIO), a chat model its reply. Each reads the columns its recipe
+trains on, and predicts a list of rows at a time in batches."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.errors import UserError
+
+__all__ = ["Plan", "Predictor", "load_predictor", "plan_for"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a folder holds, known before its weights load: the kind of model and the columns it reads."""
+    folder: Path
+    kind: str  # classify, tag or chat
+    columns: tuple[str, ...]  # classify and tag: the text column (and a pair's); chat: messages or prompt
+    base_model: str | None = None
+
+    def rows(self, data) -> list[dict]:
+        """The input file's rows, checked for the columns this kind of model reads.
+
+        Raises:
+            UserError: the file lacks them.
+        """
+        present = set(data.column_names)
+        fits = bool(present & set(self.columns)) if self.kind == "chat" else set(self.columns) <= present
+        if not fits:
+            wanted = (" or " if self.kind == "chat" else " and ").join(repr(column) for column in self.columns)
+            raise UserError(f"--input has no {wanted} column (columns: {', '.join(data.column_names)}); a "
+                            f"{self.kind} model reads {wanted}, as its recipe trains on")
+        return data.to_list()
+
+
+@dataclass
+class Predictor:
+    plan: Plan
+    model: object
+    tokenizer: object
+    batch_size: int
+
+    def __call__(self, rows: list[dict], sampling=None, progress=None) -> list[dict]:
+        results = []
+        for start in range(0, len(rows), self.batch_size):
+            batch = rows[start:start + self.batch_size]
+            results += getattr(self, f"_{self.plan.kind}")(batch, sampling)
+            if progress is not None:
+                progress.update(len(batch))
+        return results
+
+    def _classify(self, rows: list[dict], sampling) -> list[dict]:
+        import torch
+
+        texts = [[row[column] for row in rows] for column in self.plan.columns]
+        batch = self.tokenizer(*texts, truncation=True, padding=True, return_tensors="pt").to(self.model.device)
+        with torch.no_grad():
+            probabilities = self.model(**batch).logits.float().softmax(-1).tolist()
+        names = self.model.config.id2label
+        return [{"predicted_label": names[max(range(len(p)), key=p.__getitem__)],
+                 "probabilities": {names[i]: round(value, 6) for i, value in enumerate(p)}} for p in probabilities]
+
+    def _tag(self, rows: list[dict], sampling) -> list[dict]:
+        import torch
+
+        from finetune.tasks.tagging import entities
+
+        words = [row[self.plan.columns[0]] for row in rows]
+        batch = self.tokenizer(words, is_split_into_words=True, truncation=True, padding=True,
+                               return_tensors="pt").to(self.model.device)
+        with torch.no_grad():
+            best = self.model(**batch).logits.argmax(-1).tolist()
+        names, results = self.model.config.id2label, []
+        for row, (sentence, ids) in enumerate(zip(words, best, strict=True)):
+            tags = ["O"] * len(sentence)  # words past the model's length keep O
+            seen = set()
+            for position, word in enumerate(batch.word_ids(row)):
+                if word is not None and word not in seen:  # a word's tag is its first piece's, as it trained
+                    seen.add(word)
+                    tags[word] = names[ids[position]]
+            spans = sorted(entities(tags), key=lambda span: span[1])
+            results.append({"predicted_tags": tags, "entities": [
+                {"type": kind, "start": first, "end": last + 1, "text": " ".join(sentence[first:last + 1])}
+                for kind, first, last in spans]})
+        return results
+
+    def _chat(self, rows: list[dict], sampling) -> list[dict]:
+        from finetune.predict.generation import replies
+
+        prompts = [prompt_of(row) for row in rows]
+        return [{"reply": reply} for reply in replies(self.model, self.tokenizer, prompts, sampling)]
+
+
+def prompt_of(row: dict) -> list[dict]:
+    """The messages a reply follows: a ``messages`` row up to its last assistant turn (all of it where it ends
+    with another), or a ``prompt`` (a string is one user turn)."""
+    if "messages" in row:
+        messages = row["messages"]
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        return messages[:last] if last is not None and last == len(messages) - 1 else messages
+    prompt = row["prompt"]
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+LABELLED = {"ForSequenceClassification": "classify", "ForTokenClassification": "tag"}
+
+
+def plan_for(folder: str | Path, text_columns: tuple[str, ...] = (), base_model: str | None = None) -> Plan:
+    """What ``folder`` holds, from its configuration alone: a classifier or tagger (reading ``text_columns``, by
+    default its recipe's ``text`` or ``tokens``) or a chat model (a model or an adapter; ``messages`` or
+    ``prompt``).
+
+    Raises:
+        UserError: ``folder`` holds no trained model, or an adapter whose base cannot be read.
+    """
+    from finetune.models.trained import trained_config
+
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file() and not (folder / "adapter_config.json").is_file():
+        raise UserError(f"{folder} holds no trained model (no config.json or adapter_config.json): give a recipe's "
+                        "--output_dir")
+    kinds = json.loads(config_file.read_text()).get("architectures", []) if config_file.is_file() else []
+    for suffix, kind in LABELLED.items():
+        if any(name.endswith(suffix) for name in kinds):
+            return Plan(folder, kind, text_columns or (("text",) if kind == "classify" else ("tokens",)))
+    trained_config(folder, base_model)
+    return Plan(folder, "chat", ("messages", "prompt"), base_model)
+
+
+def load_predictor(plan: Plan, batch_size: int, device) -> Predictor:
+    """The model ``plan`` names, with its tokenizer, on ``device``."""
+    import transformers
+
+    from finetune.models.loading import from_pretrained, load_model
+    from finetune.models.trained import load_trained
+
+    if plan.kind == "chat":
+        trained = load_trained(plan.folder, plan.base_model)
+        return Predictor(plan, trained.model.to(device), trained.tokenizer, batch_size)
+    auto_class = (transformers.AutoModelForSequenceClassification if plan.kind == "classify"
+                  else transformers.AutoModelForTokenClassification)
+    model = load_model(auto_class, str(plan.folder)).to(device).eval()
+    return Predictor(plan, model, from_pretrained(transformers.AutoTokenizer, str(plan.folder)), batch_size)
