@@ -12,6 +12,16 @@ the file holds, so a difference there is the writer's); and how many of the 32 g
 tokenizer read back must give the same ids on a corpus with special tokens (the prompts, their replies, and text
 with odd spacing, digits and non-Latin scripts), and render every conversation through the template to the same
 text.
+
+The Ollama ``Modelfile``'s Go template is rendered by Go's own ``text/template`` (``bench/go_template``, as
+Ollama renders one; ``apt-get install golang-go`` where ``go`` is missing) for 28 conversations (a user turn, a
+system turn and a user turn, a multi-turn history, and one with a system message of its own), each compared with
+the Jinja template's rendering with the generation prompt (Ollama adds the beginning-of-text token itself, so a
+Jinja template's leading ``bos_token`` is the one difference allowed).
+
+Then ``python -m finetune.predict`` over the same 32 prompts with SmolLM2 (greedy, up to 64 new tokens), in
+batches of 1 and of 8 on one process: generated tokens per second, from the command's start to its exit (model
+loading included) and over generation alone (the command's own progress bar's time).
 """
 
 from __future__ import annotations
@@ -69,6 +79,28 @@ def last_logits(model, tokenizer, conversations) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def ollama_template_agrees(tokenizer, chats) -> dict:
+    """The Go template the Modelfile carries, rendered by Go, against the Jinja template: how many agree."""
+    from finetune.export.ollama import go_template
+
+    conversations = ([chat[:2] for chat in chats[:16]] + [chat[1:2] for chat in chats[:4]]
+                     + [[*chat[:3], {"role": "user", "content": "And then?"}] for chat in chats[:4]]
+                     + [[{"role": "system", "content": "Be brief."}, *chat[1:3], {"role": "user", "content": "ok"}]
+                        for chat in chats[:4]])
+
+    def render(messages):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    template = go_template(tokenizer.chat_template, render)
+    rendered = json.loads(subprocess.run(
+        ["go", "run", str(REPO / "bench" / "go_template" / "main.go")], check=True, capture_output=True, text=True,
+        input=json.dumps({"template": template, "conversations": conversations})).stdout)
+    bos = tokenizer.bos_token if tokenizer.chat_template.lstrip().startswith("{{ bos_token }}") else ""
+    return {"same_text": sum(render(messages) == bos + text for messages, text in zip(conversations, rendered,
+                                                                                       strict=True)),
+            "conversations": len(conversations)}
+
+
 def check(name: str, run: Path) -> dict:
     tokenizer = transformers.AutoTokenizer.from_pretrained(run)
     model = transformers.AutoModelForCausalLM.from_pretrained(run, dtype=torch.float32).eval()
@@ -80,7 +112,9 @@ def check(name: str, run: Path) -> dict:
             weight.data = weight.data.half().float()
     rounded = last_logits(model, tokenizer, prompts)
     corpus = [text for chat in chats for text in (chat[1]["content"], chat[2]["content"])] + ODD_TEXT
-    result = {"parameters": sum(p.numel() for p in model.parameters()), "quants": {}}
+    result = {"parameters": sum(p.numel() for p in model.parameters()),
+              "ollama_go_template": ollama_template_agrees(tokenizer, chats), "quants": {}}
+    print(name, result["ollama_go_template"], flush=True)
     for quant in QUANTS:
         out = run.parent / f"{name}-{quant}" / f"{name}-{quant}.gguf"
         out.parent.mkdir()
@@ -112,6 +146,35 @@ def check(name: str, run: Path) -> dict:
     return result
 
 
+def predict_speed(run: Path, batch_size: int) -> dict:
+    """``finetune.predict`` over the 32 prompts: generated tokens per second, whole command and generation."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(run)
+    prompts = run.parent / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": chat[:2]}) + "\n"
+                               for chat in make_support_conversations()["validation"]["messages"][:32]))
+    output = run.parent / f"replies-{batch_size}.jsonl"
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "finetune.predict", str(run), "--input", str(prompts), "--output",
+                           str(output), "--batch_size", str(batch_size), "--max_new_tokens", "64"],
+                          check=True, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    generating = _progress_seconds(done.stderr)
+    tokens = sum(len(tokenizer(json.loads(line)["reply"], add_special_tokens=False).input_ids) + 1
+                 for line in output.read_text().splitlines())  # each reply's tokens and its end of turn
+    output.unlink()
+    return {"batch_size": batch_size, "rows": 32, "generated_tokens": tokens, "command_seconds": round(seconds, 1),
+            "generation_seconds": generating, "tokens_per_second_whole_command": round(tokens / seconds, 1),
+            "tokens_per_second_generating": round(tokens / generating, 1)}
+
+
+def _progress_seconds(stderr: str) -> float:
+    """The elapsed time tqdm printed last (``[00:12<00:00, ...]``), in seconds."""
+    import re
+
+    minutes, seconds = re.findall(r"\[(\d+):(\d+)<", stderr)[-1]
+    return int(minutes) * 60 + int(seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results_file", type=Path, default=REPO / "bench" / "results" / "export-check.json")
@@ -126,6 +189,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for name, (folder, template) in models.items():
             results["models"][name] = check(name, as_trained(folder, template, Path(scratch) / name))
+        smollm = Path(scratch) / "smollm2-135m-instruct"
+        results["predict"] = [predict_speed(smollm, batch_size) for batch_size in (1, 8)]
+        print(results["predict"], flush=True)
     args.results_file.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {os.path.relpath(args.results_file)}")
 

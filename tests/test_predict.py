@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_jsonl, save_tiny_llama, write_csv, write_jsonl
+from helpers import launch_cmd, read_jsonl, save_tiny_llama, write_csv, write_jsonl
 
 from finetune.errors import run_main
 from finetune.predict.__main__ import main as predict
@@ -133,19 +133,21 @@ def alone_replies(adapter: Path, max_new_tokens: int, prompts: list[list[dict]])
 
 def test_a_chat_adapter_replies_to_each_conversation_as_it_would_alone_on_one_process_or_two(chat_run):
     """Batches of 3, left-padded, greedy: each reply is the adapter's for its prompt alone (a conversation that
-    ends with a reply is prompted up to it), in the input order; two processes under torchrun write the same
-    file."""
+    ends with a reply is prompted up to it), in the input order; two processes under ``torchrun`` and under
+    ``accelerate launch`` write the same file."""
     adapter, chats = chat_run
     rows = predicted(adapter, "--input", str(chats), "--batch_size", "3", "--max_new_tokens", "10")
     expected = alone_replies(adapter, 10, [m[:-1] if m[-1]["role"] == "assistant" else m for m in CHATS])
     assert [row["reply"] for row in rows] == expected and len(set(expected)) > 1
     assert [row["messages"] for row in rows] == CHATS
 
-    two = adapter.parent / "two.jsonl"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "finetune.predict",
-                    str(adapter), "--input", str(chats), "--output", str(two), "--batch_size", "2",
-                    "--max_new_tokens", "10"], check=True, timeout=300, capture_output=True)
-    assert read_jsonl(two) == rows
+    for launcher in ("torchrun", "accelerate"):
+        two = adapter.parent / f"{launcher}.jsonl"
+        command = launch_cmd(launcher, str(adapter), "--input", str(chats), "--output", str(two), "--batch_size", "2",
+                             "--max_new_tokens", "10", script="finetune.predict")
+        command.insert(command.index("finetune.predict"), "-m")  # both launchers run a module so
+        subprocess.run(command, check=True, timeout=300, capture_output=True)
+        assert read_jsonl(two) == rows, launcher
 
 
 def test_the_terminal_chat_streams_each_reply_keeps_the_conversation_and_starts_over_at_reset(chat_run):
