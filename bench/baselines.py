@@ -3,8 +3,8 @@ DPOTrainer and GRPOTrainer.
 
     python bench/baselines.py KIND DATA_FILE OUT_DIR [--seed N] [--per_device_train_batch_size N] [--eval_file F]
     (KIND: loop_random, loop_same_optimizer, trainer_default, trainer_grouped, trainer_ner, loop_sft,
-    trl_padding_free, trl_default, trl_memory, trl_long, loop_dpo, trl_dpo, trl_dpo_default, trl_dpo_memory or
-    trl_grpo;
+    trl_padding_free, trl_default, trl_memory, trl_long, loop_dpo, trl_dpo, trl_dpo_default, trl_dpo_memory,
+    trl_dpo_long or trl_grpo;
     the batch size is the chat and preference baselines' only, their recipe's by default; the memory kinds
     evaluate on --eval_file)
 
@@ -258,8 +258,12 @@ def trl_sft(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
     lora = LoraConfig(r=lora_defaults.lora_r, lora_alpha=lora_defaults.lora_alpha,
                       lora_dropout=lora_defaults.lora_dropout, target_modules=lora_defaults.lora_target_modules,
                       task_type="CAUSAL_LM")
-    trainer = SFTTrainer(model=default_chat_model_path(), args=args, train_dataset=prompt_and_completion(train_jsonl),
-                         eval_dataset=prompt_and_completion(eval_jsonl) if eval_jsonl else None, peft_config=lora)
+    model, full = default_chat_model_path(), False
+    if kind == "trl_long":  # bench/long.py's GPU part: another model, and every weight trained
+        model, full = os.environ.get("BENCH_LONG_MODEL") or model, bool(os.environ.get("BENCH_LONG_FULL"))
+    trainer = SFTTrainer(model=model, args=args, train_dataset=prompt_and_completion(train_jsonl),
+                         eval_dataset=prompt_and_completion(eval_jsonl) if eval_jsonl else None,
+                         peft_config=None if full else lora)
     trainer.data_collator = CountingCollator(trainer.data_collator)
     trainer.add_callback(EvaluationIsNotTraining(trainer.data_collator))
     trainer.train()
@@ -272,7 +276,9 @@ def trl_dpo(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
     default would be bf16). ``trl_dpo`` turns activation checkpointing off as the recipe runs; ``trl_dpo_default``
     keeps TRL's defaults otherwise (activation checkpointing on). ``trl_dpo_memory`` is the recipe's memory
     comparison: rows cut at 512 tokens, activation checkpointing off, and one evaluation of ``eval_jsonl`` at the
-    epoch's end in batches as large as the training batch, as the recipe's ``--per_device_eval_batch_size``."""
+    epoch's end in batches as large as the training batch, as the recipe's ``--per_device_eval_batch_size``.
+    ``trl_dpo_long`` is ``bench/long.py --recipe dpo``'s: TRL's defaults (activation checkpointing on), no length
+    limit."""
     from peft import LoraConfig
     from trl import DPOConfig, DPOTrainer
 
@@ -287,6 +293,8 @@ def trl_dpo(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
     if kind == "trl_dpo_memory":
         settings = {"max_length": 512, "gradient_checkpointing": False,
                     "per_device_eval_batch_size": batch_size, "eval_strategy": "epoch"}
+    if kind == "trl_dpo_long":
+        settings = {"max_length": None}
     args = DPOConfig(output_dir=output_dir, per_device_train_batch_size=batch_size,
                      learning_rate=defaults["learning_rate"], weight_decay=RECIPE.weight_decay, num_train_epochs=1,
                      seed=SEED, bf16=torch.cuda.is_available(), save_strategy="no", report_to="none",

@@ -4,6 +4,10 @@
     python bench/long.py --lengths 4096 --results_file bench/results/long-glibc.json   # glibc's defaults
     python bench/long.py --lengths 4096 8192 --repeats 1 --return_freed_memory \
         --results_file bench/results/long-8k.json       # 8k rows (~2 min a step) and the estimate at both lengths
+    python bench/long.py --recipe dpo --lengths 4096 --repeats 1 --configs finetune trl --return_freed_memory \
+        --results_file bench/results/long-dpo.json       # DPO: chosen and rejected replies of 4k tokens each
+    python bench/long.py --model_size 1b --lengths 8192 32768 --repeats 1 --configs finetune trl finetune_full \
+        trl_full --results_file OUT/long-cuda.json       # bench/gpu_check.sh OUT long, on a GPU
 
 Each row is one conversation of about LENGTH tokens: the system and user turns of an embedded support
 conversation, then one long assistant reply (the replies of consecutive embedded conversations, each after its
@@ -17,6 +21,19 @@ dropout 0.05), learning rate and weight decay, float32, 2 threads:
   batches, no length limit (``bench/baselines.py trl_long``);
 - ``finetune_kept`` (rows up to 4,096 tokens): ``sft.py`` without checkpointing, what it costs to keep every
   layer's activations.
+
+``--recipe dpo`` trains the preference recipe on a pair instead: the long row's reply chosen, another as long (made
+the same way from other conversations) rejected, against TRL's ``DPOTrainer`` with its defaults for such rows
+(activation checkpointing on, no length limit; ``bench/baselines.py trl_dpo_long``), the same LoRA settings with
+dropout off, beta and learning rate, a live reference (the adapters switched off) on both sides.
+
+``--model_size 1b`` (the GPU check's ``long`` part) trains a Llama of 1.1B parameters instead (Llama 3.2 1B's
+shape over SmolLM2's vocabulary and template, seeded random weights built from a configuration: nothing is
+downloaded); ``tiny`` is its CPU rehearsal. The ``_full`` configurations train every weight (``--no_use_lora``;
+TRL without a peft config). On a GPU both sides run in bf16 autocast and the peak is the CUDA allocator's, and each
+run reports its model FLOP utilisation: model FLOPs per second over the GPU's dense bf16 peak, where a token's
+model FLOPs are 6 per trained weight, 4 per frozen one (no weight gradient) and 6 x layers x hidden size x row length
+for causal attention's two products (forward and backward; activation checkpointing's recomputation not counted).
 
 Every configuration is a fresh process under ``bench/probe.py`` (peak resident memory of the training process,
 optimizer step times). glibc's allocator keeps memory a process freed and reuses it (its threshold for giving
@@ -50,10 +67,54 @@ REPO = BENCH.parent
 MMAP_THRESHOLD = 65536
 KEPT_UP_TO = 4096
 """Without checkpointing a row of 8k tokens keeps about 20 GB here: only shorter rows run that way."""
+SIZES = {
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8},
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2},
+}
+CONFIGS = ("finetune", "trl", "finetune_kept", "finetune_full", "trl_full")
+GPU_BF16_PEAK = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+"""Dense bf16 FLOP/s from NVIDIA's data sheets (SXM parts unless named), as bench/harness.py has them."""
 
 
-def long_chat(tokens: int) -> list[dict]:
-    """A conversation of at least ``tokens`` tokens in SmolLM2's chat template, the last turn a long reply."""
+def random_llama(size: str, folder: Path) -> Path:
+    """A Llama of ``size`` (``SIZES``) with seeded random weights and SmolLM2's tokenizer and chat template, saved in
+    ``folder``, long enough for 32k-token rows."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from finetune.models.loading import default_chat_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(default_chat_model_path())
+    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=40960, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **SIZES[size])
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def flops_per_token(model_path: str, full: bool, tokens: int, lora_r: int = 16) -> float:
+    """Model FLOPs of one trained token (see the docstring): the weights counted on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embedding = model.get_input_embeddings().weight.numel()  # a lookup, but the tied output head multiplies by it
+    weights = sum(p.numel() for p in model.parameters()) - embedding * (not config.tie_word_embeddings)
+    linear = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"]
+    adapter = sum(lora_r * (m.in_features + m.out_features) for m in linear)
+    trained, frozen = (weights, 0) if full else (adapter, weights)
+    return 6 * trained + 4 * frozen + 6 * config.num_hidden_layers * config.hidden_size * tokens
+
+
+def long_chat(tokens: int, first: int = 0) -> list[dict]:
+    """A conversation of at least ``tokens`` tokens in SmolLM2's chat template, the last turn a long reply made of
+    the embedded conversations' tickets and replies from the ``first``-th on."""
     from transformers import AutoTokenizer
 
     from finetune.data.embedded.support_chats import make_support_conversations
@@ -62,7 +123,7 @@ def long_chat(tokens: int) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(default_chat_model_path())
     conversations = make_support_conversations()["train"]["messages"]
     parts = []
-    for turn in itertools.count():
+    for turn in itertools.count(first):
         conversation = conversations[turn % len(conversations)]
         parts.append(f"{conversation[1]['content']}\n{conversation[2]['content']}")
         chat = [*conversations[0][:2], {"role": "assistant", "content": "\n\n".join(parts)}]
@@ -71,38 +132,54 @@ def long_chat(tokens: int) -> list[dict]:
             return chat
 
 
-def write_rows(folder: Path, tokens: int) -> tuple[Path, Path]:
-    """Two copies of the long row for training; a short conversation to evaluate (which is not measured)."""
+def write_rows(folder: Path, tokens: int, recipe: str) -> tuple[Path, Path]:
+    """Two copies of the long row for training; a short one to evaluate (which is not measured). A DPO row is a
+    pair: the chat row's reply chosen, one as long from other conversations rejected."""
+    from finetune.data.embedded.preference_pairs import make_preference_pairs
     from finetune.data.embedded.support_chats import make_support_conversations
 
-    train, validation = folder / f"long-{tokens}.jsonl", folder / "short.jsonl"
-    row = json.dumps({"messages": long_chat(tokens)})
-    train.write_text(f"{row}\n{row}\n")
-    validation.write_text(json.dumps({"messages": make_support_conversations()["validation"]["messages"][0]}) + "\n")
+    train, validation = folder / f"{recipe}-{tokens}.jsonl", folder / f"{recipe}-short.jsonl"
+    chat = long_chat(tokens)
+    if recipe == "dpo":
+        row = {"prompt": chat[:2], "chosen": chat[2:], "rejected": long_chat(tokens, first=7)[2:]}
+        short = make_preference_pairs()["validation"].select_columns(["prompt", "chosen", "rejected"])[0]
+    else:
+        row, short = {"messages": chat}, {"messages": make_support_conversations()["validation"]["messages"][0]}
+    train.write_text(f"{json.dumps(row)}\n{json.dumps(row)}\n")
+    validation.write_text(json.dumps(short) + "\n")
     return train, validation
 
 
-def command(config: str, train: Path, validation: Path, tokens: int, output_dir: Path) -> list[str]:
-    if config == "trl":
-        return [sys.executable, str(BENCH / "baselines.py"), "trl_long", str(train), str(output_dir),
-                "--per_device_train_batch_size", "1"]
-    checkpointing = ["--gradient_checkpointing"] if config == "finetune" else []
+def command(config: str, train: Path, validation: Path, tokens: int, output_dir: Path, model: str | None,
+            recipe: str) -> list[str]:
+    if config.startswith("trl"):  # the model and full fine-tuning reach the baseline through BENCH_LONG_*
+        return [sys.executable, str(BENCH / "baselines.py"), "trl_dpo_long" if recipe == "dpo" else "trl_long",
+                str(train), str(output_dir), "--per_device_train_batch_size", "1"]
+    import torch
+
+    flags = ["--gradient_checkpointing"] if config != "finetune_kept" else []
+    flags += ["--no_use_lora"] if config.endswith("_full") else []
+    flags += ["--model_name_or_path", model] if model else []
+    flags += ["--mixed_precision", "bf16"] if torch.cuda.is_available() else []
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_cpu_threads_per_process",
-            "2", str(BENCH / "probe.py"), str(REPO / "recipes" / "sft.py"), "--train_file", str(train),
+            "2", str(BENCH / "probe.py"), str(REPO / "recipes" / f"{recipe}.py"), "--train_file", str(train),
             "--validation_file", str(validation), "--max_seq_length", str(tokens + 512),
             "--per_device_train_batch_size", "1", "--per_device_eval_batch_size", "1", "--num_train_epochs", "1",
-            "--eval_generate", "0", "--output_dir", str(output_dir), *checkpointing]
+            "--eval_generate", "0", "--output_dir", str(output_dir), *flags]
 
 
-def run(config: str, train: Path, validation: Path, tokens: int, scratch: Path, return_freed: bool) -> dict:
+def run(config: str, train: Path, validation: Path, tokens: int, scratch: Path, return_freed: bool,
+        model: str | None, recipe: str) -> dict:
     reports, output_dir = scratch / f"{config}-{tokens}-reports", scratch / f"{config}-{tokens}-out"
     for folder in (reports, output_dir):  # the previous repeat's
         shutil.rmtree(folder, ignore_errors=True)
     reports.mkdir(parents=True)
     allocator = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if return_freed else {}
-    result = subprocess.run(command(config, train, validation, tokens, output_dir), cwd=REPO, capture_output=True,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "2", "BENCH_REPORT_DIR": str(reports),
-                                            "BENCH_LAUNCHED_AT": repr(time.time()), **allocator})
+    baseline = {"BENCH_LONG_MODEL": model or "", "BENCH_LONG_FULL": "1" if config.endswith("_full") else ""}
+    result = subprocess.run(command(config, train, validation, tokens, output_dir, model, recipe), cwd=REPO,
+                            capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "2", "BENCH_REPORT_DIR": str(reports),
+                                 "BENCH_LAUNCHED_AT": repr(time.time()), **allocator, **baseline})
     if result.returncode:
         return {"failed": result.stderr[-2000:]}
     report = json.loads((reports / "rank0.json").read_text())
@@ -112,29 +189,41 @@ def run(config: str, train: Path, validation: Path, tokens: int, scratch: Path, 
     real_tokens = batches[1][1]
     figures = {"peak_rss_mib": round(report["peak_rss_mib"]), "step_seconds": round(seconds, 2),
                "real_tokens": real_tokens, "tokens_per_second": round(real_tokens / seconds, 1)}
+    if report["peak_gpu_memory_gib"] == report["peak_gpu_memory_gib"]:  # not NaN: a GPU run
+        import torch
+
+        from finetune.models.loading import default_chat_model_path
+
+        figures["peak_gpu_memory_mib"] = round(report["peak_gpu_memory_gib"] * 1024)
+        peak = next((rate for key, rate in GPU_BF16_PEAK.items() if key in torch.cuda.get_device_name()), None)
+        flops = flops_per_token(model or default_chat_model_path(), config.endswith("_full"), real_tokens)
+        figures["model_flops_utilisation"] = round(flops * real_tokens / seconds / peak, 4) if peak else None
     predicted = re.search(r"predicted peak ([\d.]+) (MiB|GiB)", result.stdout)  # the recipe's start-up estimate
     if predicted:
         figures["predicted_peak_mib"] = round(float(predicted[1]) * (1024 if predicted[2] == "GiB" else 1))
     return figures
 
 
-def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Path) -> None:
+def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Path, model_size: str | None,
+         chosen: list[str] | None, recipe: str) -> None:
     runs: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
-        data = {tokens: write_rows(scratch, tokens) for tokens in lengths}
+        model = str(random_llama(model_size, scratch / f"llama-{model_size}")) if model_size else None
+        data = {tokens: write_rows(scratch, tokens, recipe) for tokens in lengths}
         for repeat in range(repeats):
             for tokens in lengths:
-                configs = ["finetune", "trl"] + (["finetune_kept"] if tokens <= KEPT_UP_TO else [])
+                configs = chosen or ["finetune", "trl"] + (["finetune_kept"] if tokens <= KEPT_UP_TO else [])
                 configs = configs[repeat % len(configs):] + configs[:repeat % len(configs)]
                 for config in configs:
-                    figures = run(config, *data[tokens], tokens, scratch, return_freed)
+                    figures = run(config, *data[tokens], tokens, scratch, return_freed, model, recipe)
                     print(tokens, config, json.dumps(figures)[:300], flush=True)
                     runs.setdefault(str(tokens), {}).setdefault(config, []).append(figures)
     summary = {}
     for tokens, by_config in runs.items():
         medians = {config: {key: statistics.median(run[key] for run in figures)
-                            for key in ("peak_rss_mib", "tokens_per_second", "step_seconds")}
+                            for key in ("peak_rss_mib", "tokens_per_second", "step_seconds", "peak_gpu_memory_mib",
+                                        "model_flops_utilisation") if all(run.get(key) is not None for run in figures)}
                    for config, figures in by_config.items() if all("failed" not in run for run in figures)}
         ours, theirs = by_config.get("finetune", []), by_config.get("trl", [])
         pairs = [(a, b) for a, b in zip(ours, theirs, strict=True) if "failed" not in a and "failed" not in b]
@@ -149,7 +238,11 @@ def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Pat
                            "failed": {c: [r["failed"][-300:] for r in f if "failed" in r] for c, f in by_config.items()
                                       if any("failed" in r for r in f)}}
     import torch
-    results = {"device": f"cpu ({os.cpu_count()} cores, 2 threads a run)", "torch": torch.__version__,
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else f"cpu ({os.cpu_count()} cores, 2 threads a run)")
+    results = {"device": device, "recipe": recipe,
+               "model": f"random Llama {model_size}" if model_size else "SmolLM2-135M-Instruct",
+               "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d"), "repeats": repeats,
                "allocator": f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}" if return_freed else "glibc's defaults",
                "summary": summary, "runs": runs}
@@ -169,5 +262,10 @@ if __name__ == "__main__":
     parser.add_argument("--return_freed_memory", action="store_true",
                         help=f"run both sides with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} (see the docstring)")
     parser.add_argument("--results_file", type=Path, default=BENCH / "results" / "long.json")
+    parser.add_argument("--model_size", choices=sorted(SIZES), help="a random Llama instead of SmolLM2 (see above)")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="these configurations only, at every length")
+    parser.add_argument("--recipe", choices=("sft", "dpo"), default="sft",
+                        help="dpo: a pair of replies each LENGTH tokens long, against TRL's DPOTrainer")
     cli = parser.parse_args()
-    main(cli.lengths, cli.repeats, cli.return_freed_memory, cli.results_file)
+    main(cli.lengths, cli.repeats, cli.return_freed_memory, cli.results_file, cli.model_size, cli.configs,
+         cli.recipe)

@@ -217,13 +217,14 @@ def test_an_adapter_merges_into_a_folder_that_generates_what_it_generated_on_its
 
 def test_what_cannot_be_exported_is_refused_in_one_line_before_anything_loads_or_is_written(chat_model, tmp_path,
                                                                                             capsys, monkeypatch):
-    """Not a trained folder, an adapter whose base is gone, a classifier, an architecture the GGUF writer lacks,
-    an output that exists (kept as it was) or whose folder is not one: one ``error:`` line and exit status 2. A
-    write that fails halfway leaves no file."""
+    """Not a trained folder, an adapter whose base is gone, a classifier, an architecture or a tokenizer the GGUF
+    writer lacks, an output that exists (kept as it was) or whose folder is not one: one ``error:`` line and exit
+    status 2. A write that fails halfway leaves no file."""
     import gguf
-    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
     from finetune.export import gguf_file
+    from finetune.models.loading import default_model_path
     from finetune.models.trained import load_trained
 
     adapter = saved_adapter(chat_model, tmp_path / "adapter")
@@ -235,6 +236,9 @@ def test_what_cannot_be_exported_is_refused_in_one_line_before_anything_loads_or
     GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path / "gpt2")
     (tmp_path / "empty").mkdir()
     (chat_model / "taken.gguf").write_text("mine")
+    wordpiece = AutoTokenizer.from_pretrained(default_model_path())
+    tiny_model("llama", len(wordpiece)).save_pretrained(tmp_path / "wordpiece")
+    wordpiece.save_pretrained(tmp_path / "wordpiece")
     refused = subprocess.run([sys.executable, "-m", "finetune.export", str(tmp_path / "empty"), "--to", "gguf"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and refused.stderr.splitlines() == [
@@ -244,6 +248,7 @@ def test_what_cannot_be_exported_is_refused_in_one_line_before_anything_loads_or
         "adapter": ([str(adapter), "--to", "merged"], "the adapter's base model could not be loaded"),
         "classifier": ([str(tmp_path / "classifier"), "--to", "merged"], "not a causal language model"),
         "gpt2": ([str(tmp_path / "gpt2"), "--to", "gguf"], "the GGUF writer has no gpt2 models"),
+        "tokenizer": ([str(tmp_path / "wordpiece"), "--to", "gguf"], "writes BPE tokenizers; this one is WordPiece"),
         "exists": ([str(chat_model), "--to", "gguf", "--out", str(chat_model / "taken.gguf")], "exists"),
         "not a folder": ([str(chat_model), "--to", "gguf", "--out", str(chat_model / "config.json" / "x.gguf")],
                          "is not a folder this user can write"),

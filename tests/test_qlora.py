@@ -94,11 +94,24 @@ def test_preference_tuning_trains_over_a_four_bit_base(recipe, tiny_chat_model, 
 
 @pytest.mark.parametrize(("flags", "expected"), [
     (["--no_use_lora"], ("--load_in_4bit with --no_use_lora", "leave out --no_use_lora")),
-    (["--fsdp"], ("--load_in_4bit with --fsdp", "leave out --fsdp")),
+    (["--fsdp"], ("--load_in_4bit with --fsdp", "launch without sharding")),
 ])
 def test_what_four_bit_weights_cannot_do_is_refused(flags, expected, tiny_chat_model, chat_files, tmp_path):
     assert_refused("sft", [*chat_files, "--model_name_or_path", str(tiny_chat_model), "--output_dir",
                            str(tmp_path / "out"), "--load_in_4bit", *flags], tmp_path, *expected)
+
+
+def test_under_accelerate_s_fsdp_config_four_bit_weights_are_refused_as_under_fsdp(monkeypatch):
+    """accelerate launch with accelerate_configs/fsdp.yaml sets ACCELERATE_USE_FSDP (GPUs only: on a CPU the launcher
+    refuses the config first); the 4-bit base is refused there as under --fsdp."""
+    from types import SimpleNamespace
+
+    from finetune.errors import UserError
+    from finetune.tasks.causal_lm import ChatModelArguments
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(UserError, match="--load_in_4bit with Accelerate's FSDP config: FSDP cannot shard"):
+        ChatModelArguments(load_in_4bit=True).loading_options(SimpleNamespace(fsdp=False, mixed_precision="no"))
 
 
 def test_without_bitsandbytes_the_flag_names_the_extra(tiny_chat_model, chat_files, tmp_path, monkeypatch):

@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 from finetune.errors import UserError, run_main
-from finetune.export.gguf_file import QUANTS, architecture_of, write_gguf
+from finetune.export.gguf_file import QUANTS, architecture_of, vocabulary, write_gguf
 from finetune.export.merged import write_merged
 from finetune.export.ollama import write_modelfile
+from finetune.models.loading import from_pretrained
 from finetune.models.trained import load_trained, trained_config
 
 
@@ -32,6 +33,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from transformers import AutoTokenizer
+
     args = parse_args(argv)
     folder = args.output_dir
     config = trained_config(folder, args.base_model)
@@ -43,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError(f"{out} exists: remove it or give --out")
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise UserError(f"{out.parent} is not a folder this user can write: give --out")
+    if args.to == "gguf":
+        vocabulary(from_pretrained(AutoTokenizer, str(folder)), config, folder)
     trained = load_trained(folder, args.base_model)
     if args.to == "gguf":
         write_gguf(trained, out, args.quant)

@@ -19,7 +19,7 @@ import numpy as np
 
 from finetune.errors import UserError
 
-__all__ = ["ARCHITECTURES", "QUANTS", "write_gguf"]
+__all__ = ["ARCHITECTURES", "QUANTS", "architecture_of", "vocabulary", "write_gguf"]
 
 QUANTS = ("f32", "f16", "bf16", "q8_0")
 
@@ -117,7 +117,7 @@ def write_gguf(trained, path: Path, quant: str) -> None:
 
     model, config = trained.model, trained.model.config
     architecture = architecture_of(config)
-    vocab = _vocabulary(trained)  # refuses a tokenizer it cannot write before any weight is converted
+    vocab = vocabulary(trained.tokenizer, config, trained.folder)
     partial = path.with_name(path.name + ".partial")
     writer = gguf.GGUFWriter(partial, architecture.name)
     try:
@@ -127,7 +127,7 @@ def write_gguf(trained, path: Path, quant: str) -> None:
         writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                               "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quant])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        vocab(writer)
+        vocab(writer, trained.stops)
         names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.name.upper()], config.num_hidden_layers)
         for name, tensor in model.state_dict().items():
             if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -184,17 +184,17 @@ def _pre_tokenizer_name(pre_tokenizer: dict) -> str | None:
     return None
 
 
-def _vocabulary(trained) -> Callable[[object], None]:
-    """What writes the tokenizer into a GGUF writer: byte-level BPE as llama.cpp's ``gpt2`` model (tokens,
-    merges, the pre-tokenizer's name), a sentencepiece-style BPE (``▁`` for spaces, byte fallback) as its
-    ``llama`` model (tokens with scores); the special tokens, the end of turn and the chat template.
+def vocabulary(tokenizer, config, folder: Path) -> Callable[[object, list[int]], None]:
+    """What writes ``tokenizer`` (saved in ``folder``) into a GGUF writer, given the stops a reply ends at:
+    byte-level BPE as llama.cpp's ``gpt2`` model (tokens, merges, the pre-tokenizer's name), a sentencepiece-style
+    BPE (``▁`` for spaces, byte fallback) as its ``llama`` model (tokens with scores); the special tokens, the end
+    of turn and the chat template. Cheap: the command calls it to refuse a tokenizer before the weights load.
 
     Raises:
         UserError: a tokenizer of another kind, or a byte-level one whose split llama.cpp has no name for.
     """
     import gguf
 
-    tokenizer, config = trained.tokenizer, trained.model.config
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     model = spec["model"]
     byte_level = model["type"] == "BPE" and (spec.get("pre_tokenizer") or {}).get("type") != "Metaspace" and \
@@ -225,7 +225,7 @@ def _vocabulary(trained) -> Callable[[object], None]:
             rank.setdefault(merge.replace(" ", ""), order + 1)
         scores = [-float(rank.get(token, 0)) for token in tokens]
 
-    def write(writer) -> None:
+    def write(writer, stops: list[int]) -> None:
         writer.add_tokenizer_model("gpt2" if byte_level else "llama")
         writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
@@ -233,10 +233,10 @@ def _vocabulary(trained) -> Callable[[object], None]:
         if scores is not None:
             writer.add_token_scores(scores)
             writer.add_add_space_prefix(False)
-        special = gguf.SpecialVocab(trained.folder, load_merges=byte_level, n_vocab=config.vocab_size)
+        special = gguf.SpecialVocab(folder, load_merges=byte_level, n_vocab=config.vocab_size)
         special.chat_template = tokenizer.chat_template
         special.add_to_gguf(writer, quiet=True)
-        end_of_turn = [stop for stop in trained.stops if stop != tokenizer.eos_token_id]
+        end_of_turn = [stop for stop in stops if stop != tokenizer.eos_token_id]
         if end_of_turn:
             writer.add_eot_token_id(end_of_turn[0])
 

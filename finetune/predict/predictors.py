@@ -97,12 +97,14 @@ class Predictor:
 def prompt_of(row: dict) -> list[dict]:
     """The messages a reply follows: a ``messages`` row up to its last assistant turn (all of it where it ends
     with another), or a ``prompt`` (a string is one user turn)."""
+    from finetune.tasks.chat import without_nulls
+
     if "messages" in row:
-        messages = row["messages"]
+        messages = [without_nulls(message) for message in row["messages"]]  # Arrow gives each every key
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         return messages[:last] if last is not None and last == len(messages) - 1 else messages
     prompt = row["prompt"]
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [without_nulls(m) for m in prompt]
 
 
 LABELLED = {"ForSequenceClassification": "classify", "ForTokenClassification": "tag"}

@@ -25,6 +25,7 @@ from finetune.checkpointing.checkpoint import save_model
 from finetune.config import arg
 from finetune.distributed.ddp import all_reduce_max, unwrap
 from finetune.distributed.fsdp import is_sharded
+from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 from finetune.models.loading import default_chat_model_path, from_pretrained
 from finetune.models.lora import add_lora, save_adapter
@@ -113,13 +114,14 @@ class ChatModelArguments(CausalLMArguments):
         precision).
 
         Raises:
-            UserError: ``--load_in_4bit`` with ``--fsdp``.
+            UserError: ``--load_in_4bit`` with ``--fsdp`` or under Accelerate's FSDP config.
         """
         if not self.load_in_4bit:
             return {"dtype": getattr(torch, self.dtype)}
-        if cfg.fsdp:
-            raise UserError("--load_in_4bit with --fsdp: FSDP cannot shard 4-bit weights here; leave out --fsdp "
-                            "(each process holds the 4-bit base, a quarter of bfloat16's size)")
+        if cfg.fsdp or LaunchEnvironment.read().accelerate_fsdp:
+            how = "--fsdp" if cfg.fsdp else "Accelerate's FSDP config"
+            raise UserError(f"--load_in_4bit with {how}: FSDP cannot shard 4-bit weights here; launch without "
+                            "sharding (each process holds the 4-bit base, a quarter of bfloat16's size)")
         half = {"bf16": "bfloat16", "fp16": "float16"}.get(run_precision(cfg), "float32")
         compute = getattr(torch, self.bnb_4bit_compute_dtype or half)
         return {"dtype": getattr(torch, self.dtype), **four_bit_loading(compute)}
