@@ -164,6 +164,21 @@ def one_error_line(returncode: int, stderr: str, *expected: str) -> str:
     return errors[0]
 
 
+def refused_here(main: Callable, argv: list[str], capsys, *expected: str) -> str:
+    """``run_main(main, argv)`` (a command's entry point) in this process exits with status 2 having written nothing
+    to stderr but one ``error:`` line, which holds each of ``expected``; returns the line."""
+    from finetune.errors import run_main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        run_main(main, argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    for words in expected:
+        assert words in lines[0], lines[0]
+    return lines[0]
+
+
 def assert_refused(recipe: str, flags: list[str], folder: Path, *expected: str) -> str:
     """``recipes/RECIPE.py FLAGS``, in this process, ends with one ``error:`` line holding each of ``expected``
     (exit status 2, no traceback), and no file under ``folder`` changed; returns the line."""

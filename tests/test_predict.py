@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import launch_cmd, read_jsonl, save_tiny_llama, write_csv, write_jsonl
+from helpers import launch_cmd, read_jsonl, refused_here, save_tiny_llama, write_csv, write_jsonl
 
 from finetune.errors import run_main
 from finetune.predict.__main__ import main as predict
@@ -177,12 +177,7 @@ def test_what_cannot_be_predicted_is_refused_in_one_line(chat_run, tmp_path, cap
         "exists": ([str(adapter), "--input", str(chats), "--output", str(tmp_path / "taken.jsonl")], "exists"),
         "no file": ([str(adapter), "--input", str(tmp_path / "nothing.jsonl")], "no such file"),
     }
-    capsys.readouterr()
-    for case, (argv, expected) in cases.items():
-        with pytest.raises(SystemExit) as stop:
-            run_main(predict, argv)
-        lines = capsys.readouterr().err.strip().splitlines()
-        assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], \
-            (case, lines)
+    for argv, expected in cases.values():
+        refused_here(predict, argv, capsys, expected)
     assert (tmp_path / "taken.jsonl").read_text() == "mine\n" and not (adapter / "predictions.jsonl").exists()
     assert json.loads(chats.read_text().splitlines()[0])["messages"] == CHATS[0]

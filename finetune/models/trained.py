@@ -9,7 +9,7 @@ from pathlib import Path
 
 from finetune.errors import UserError
 
-__all__ = ["Trained", "load_trained", "trained_config"]
+__all__ = ["Trained", "check_trained_folder", "load_trained", "trained_config"]
 
 
 @dataclass
@@ -20,13 +20,18 @@ class Trained:
     folder: Path
 
 
+def check_trained_folder(folder: Path) -> None:
+    """Raises ``UserError`` unless ``folder`` holds a model (``config.json``) or an adapter: a recipe's output."""
+    if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
+        raise UserError(f"{folder} holds no trained model (no config.json or adapter_config.json): give a recipe's "
+                        "--output_dir")
+
+
 def _base_of(folder: Path, base_model: str | None) -> str | None:
     """The base model an adapter folder trained on (``base_model`` where given), or None for a full model."""
+    check_trained_folder(folder)
     adapter = folder / "adapter_config.json"
     if not adapter.is_file():
-        if not (folder / "config.json").is_file():
-            raise UserError(f"{folder} holds no trained model (no config.json or adapter_config.json): give the "
-                            "--output_dir of a chat, DPO or GRPO run")
         return None
     base = base_model or json.loads(adapter.read_text()).get("base_model_name_or_path")
     if not base:

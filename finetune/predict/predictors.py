@@ -118,13 +118,11 @@ def plan_for(folder: str | Path, text_columns: tuple[str, ...] = (), base_model:
     Raises:
         UserError: ``folder`` holds no trained model, or an adapter whose base cannot be read.
     """
-    from finetune.models.trained import trained_config
+    from finetune.models.trained import check_trained_folder, trained_config
 
     folder = Path(folder)
+    check_trained_folder(folder)
     config_file = folder / "config.json"
-    if not config_file.is_file() and not (folder / "adapter_config.json").is_file():
-        raise UserError(f"{folder} holds no trained model (no config.json or adapter_config.json): give a recipe's "
-                        "--output_dir")
     kinds = json.loads(config_file.read_text()).get("architectures", []) if config_file.is_file() else []
     for suffix, kind in LABELLED.items():
         if any(name.endswith(suffix) for name in kinds):
