@@ -149,6 +149,9 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                                 tokenizer=tokenizer, before_stop=progress_bar.close,
                                 task_state=getattr(task, "state_dict", dict))
         evaluation = Evaluation(runtime, task, model, eval_loader, before_batch=guard.stop_if_signalled)
+        if getattr(task, "evaluate_first", False) and progress.global_step == 0:
+            metrics, _ = evaluation.at(0)  # the model before training, logged as step 0 to compare against
+            runtime.print("before training: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         epochs = Epochs(runtime, task, cfg, model, optimizer, scheduler, sampler, train_loader, progress, guard,
                         evaluation, progress_bar, schedule.max_steps,
                         TrainingMeter(runtime.device, runtime.reduce_sum, getattr(task, "logged_figures", ())))

@@ -60,6 +60,9 @@ class Task(Protocol):
     logged_figures: tuple[str, ...]
     """Optional: names of sums ``loss`` returns besides the loss; each logging interval logs each per loss unit,
     over every process (DPO's rewards)."""
+    evaluate_first: bool
+    """Optional: evaluate the model before its first step too, logged as step 0 (embeddings: the base model's
+    retrieval is the figure to beat)."""
     run_files: tuple[str, ...]
     """Optional: files the task keeps in the output folder for a resume of the run (DPO's precomputed reference);
     a fresh start removes an earlier run's."""

@@ -59,19 +59,21 @@ def read_file(path: str, flag: str, readers: dict[str, Callable[[str], datasets.
     return _load_file(path, flag, readers or {}, reread=False)
 
 
-def check_columns(raw: datasets.DatasetDict, columns: list[str], flags: str) -> datasets.DatasetDict:
-    """Both splits cut to ``columns``.
+def check_columns(raw: datasets.DatasetDict, columns: list[str], flags: str,
+                  validation_columns: list[str] | None = None) -> datasets.DatasetDict:
+    """Both splits cut to ``columns`` (the validation split to ``validation_columns`` where evaluation reads fewer).
 
     Raises:
         UserError: a split lacks one of them; ``flags`` names the options that pick them.
     """
-    for split in ("train", "validation"):
+    kept = {"train": columns, "validation": columns if validation_columns is None else validation_columns}
+    for split, columns in kept.items():
         missing = [c for c in columns if c not in raw[split].column_names]
         if missing:
             raise UserError(
                 f"{split} data has no column {', '.join(map(repr, missing))} (columns: "
                 f"{', '.join(raw[split].column_names)}); pass {flags} to name the right ones")
-    return datasets.DatasetDict({split: raw[split].select_columns(columns) for split in ("train", "validation")})
+    return datasets.DatasetDict({split: raw[split].select_columns(columns) for split, columns in kept.items()})
 
 
 def file_digest(path: str) -> str:

@@ -29,6 +29,7 @@ from finetune.environment import LaunchEnvironment
 __all__ = [
     "DistributedInfo",
     "all_gather_padded",
+    "all_gather_rows",
     "all_reduce_max",
     "all_reduce_sum",
     "pad_second_dim",
@@ -120,6 +121,18 @@ def all_gather_padded(tensor: torch.Tensor, pad_index: int = -100) -> list[torch
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor)
     return parts
+
+
+def all_gather_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Every process's rows of ``tensor`` concatenated in rank order (processes may hold different numbers of
+    rows), and where this process's first row is in the result."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tensor, 0
+    counts = [int(n) for n in all_gather_padded(torch.tensor([len(tensor)], device=tensor.device))]
+    padded = torch.zeros((max(counts), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    padded[:len(tensor)] = tensor
+    parts = all_gather_padded(padded)
+    return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)]), sum(counts[:dist.get_rank()])
 
 
 def pad_second_dim(tensor: torch.Tensor, length: int, pad_index: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["classification_metrics", "load_metric"]
+__all__ = ["classification_metrics", "correlations", "load_metric", "retrieval_metrics"]
 
 
 @functools.cache
@@ -77,3 +77,33 @@ def classification_metrics(predictions, references, num_labels: int) -> dict[str
         **load_metric("accuracy").compute(predictions=predictions, references=references),
         **load_metric("f1").compute(predictions=predictions, references=references, average=average),
     }
+
+
+def retrieval_metrics(queries, corpus, relevant) -> dict[str, float]:
+    """Each query's one relevant document (``relevant``: its row in ``corpus``) ranked among all of ``corpus`` by
+    cosine similarity: MRR@10, recall@1/5/10 and NDCG@10, as sentence-transformers' InformationRetrievalEvaluator
+    reports them for one relevant document a query (a tie ranks the relevant document first)."""
+    import torch
+
+    scores = (torch.nn.functional.normalize(queries.double(), dim=-1)
+              @ torch.nn.functional.normalize(corpus.double(), dim=-1).T)
+    ranks = (scores > scores.gather(1, relevant[:, None].long())).sum(1).double() + 1
+    top10 = ranks <= 10
+    return {"mrr@10": torch.where(top10, 1 / ranks, 0).mean().item(),
+            **{f"recall@{k}": (ranks <= k).double().mean().item() for k in (1, 5, 10)},
+            "ndcg@10": torch.where(top10, 1 / torch.log2(ranks + 1), 0).mean().item()}
+
+
+def correlations(predicted, reference) -> dict[str, float]:
+    """Pearson's and Spearman's correlation (ties ranked by their average rank) of two 1-D sequences."""
+    import numpy as np
+
+    predicted, reference = np.asarray(predicted, dtype=np.float64), np.asarray(reference, dtype=np.float64)
+
+    def ranks(values):
+        _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+        ends = counts.cumsum()
+        return ((ends - counts + ends - 1) / 2)[inverse]
+
+    return {"pearson": float(np.corrcoef(predicted, reference)[0, 1]),
+            "spearman": float(np.corrcoef(ranks(predicted), ranks(reference))[0, 1])}

@@ -14,7 +14,7 @@ from datasets import ClassLabel, Dataset, DatasetDict, Features, Value
 
 from finetune.data.embedded import EmbeddedDataset
 
-__all__ = ["LABEL_NAMES", "SUPPORT_TICKETS", "make_support_tickets"]
+__all__ = ["ISSUES", "LABEL_NAMES", "SUPPORT_TICKETS", "make_support_tickets", "message"]
 
 LABEL_NAMES = ["billing", "technical", "shipping", "account"]
 _LABEL_SHARES = [0.38, 0.27, 0.20, 0.15]
@@ -22,7 +22,7 @@ NUM_TRAIN, NUM_EVAL = 2400, 600
 _SEED = 20261130
 _LABEL_NOISE = 0.04
 
-_ISSUES = {
+ISSUES = {
     "billing": [
         "I was charged twice for my {plan} subscription this month",
         "my invoice shows the wrong amount for {month}",
@@ -122,8 +122,9 @@ def _fill(rng: random.Random, template: str) -> str:
     return template.format(**{slot: rng.choice(values) for slot, values in _SLOTS.items()})
 
 
-def _message(rng: random.Random, label: str) -> str:
-    issue = _fill(rng, rng.choice(_ISSUES[label]))
+def message(rng: random.Random, label: str, issue: str | None = None) -> str:
+    """A ticket about ``issue`` (one of ``ISSUES[label]``; by default one drawn), in a customer's words."""
+    issue = _fill(rng, issue or rng.choice(ISSUES[label]))
     issue = issue[0].upper() + issue[1:] + rng.choice([".", "!", "?", "."])
     # Lengths: most messages are the issue alone or with a greeting, a long tail adds many filler sentences.
     num_filler = min(int(rng.expovariate(0.9)), 14)
@@ -139,7 +140,7 @@ def _message(rng: random.Random, label: str) -> str:
 
 def _split(rng: random.Random, size: int) -> dict[str, list]:
     labels = rng.choices(range(len(LABEL_NAMES)), weights=_LABEL_SHARES, k=size)
-    texts = [_message(rng, LABEL_NAMES[label]) for label in labels]
+    texts = [message(rng, LABEL_NAMES[label]) for label in labels]
     noisy = [rng.randrange(len(LABEL_NAMES)) if rng.random() < _LABEL_NOISE else label for label in labels]
     return {"text": texts, "label": noisy}
 

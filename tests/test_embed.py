@@ -1,0 +1,283 @@
+"""recipes/embed.py: the global batch's contrastive loss and gradient whichever way the batch is cut (GradCache), at
+any world size and under each launcher; retrieval and correlation metrics; the sentence-transformers folder."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import (
+    assert_refused,
+    log_history,
+    max_weight_diff,
+    read_results,
+    run_on,
+    train_here,
+    write_jsonl,
+)
+
+from finetune.data.batching import PlannedBatch
+from finetune.data.embedded.support_answers import make_support_answers
+from finetune.models.loading import default_model_path
+from finetune.models.sentence_folder import Pooling
+from finetune.tasks.embedding import CachedGradients, Objective, collate_texts, row_embeddings
+from finetune.tasks.metrics import correlations, retrieval_metrics
+
+OBJECTIVES = {
+    "ranking, a hard negative, symmetric": (Objective("multiple_negatives_ranking", symmetric=True), 3),
+    "ranking": (Objective("multiple_negatives_ranking", scale=7.0), 2),
+    "cosent": (Objective("cosent"), 2),
+    "triplet": (Objective("triplet", margin=0.5), 3),
+}
+
+
+def tiny_float64_bert(dropout: bool):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, hidden_dropout_prob=0.1 if dropout else 0.0,
+                        attention_probs_dropout_prob=0.1 if dropout else 0.0)
+    return BertModel(config, add_pooling_layer=False).double().train()
+
+
+def random_rows(count: int, texts: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for row in range(count):
+        lengths = torch.randint(2, 9, (texts,), generator=generator).tolist()
+        rows.append({**{f"text_{i}": torch.randint(1, 60, (n,), generator=generator).tolist()
+                        for i, n in enumerate(lengths)}, "score": (row % 4) / 3 - 0.5})
+    return rows
+
+
+def cached_gradients(model, objective, texts, rows, cuts, pooling) -> tuple[list[torch.Tensor], float]:
+    """The gradient and loss of one optimizer step over ``rows`` cut into micro-batches of ``cuts`` rows, as the loop
+    takes them on one process: the window rolled out, each micro-batch's loss backpropagated at scale 1 / rows."""
+    collate, cached = collate_texts(0), CachedGradients(objective, pooling, texts)
+    window, start = [], 0
+    for size in cuts:
+        window.append((collate(rows[start:start + size]), PlannedBatch(list(range(size)), size, size, 1 / len(rows))))
+        start += size
+    model.zero_grad()
+    logged = 0.0
+    for batch, planned in cached.rollout(model, window):
+        loss = cached.loss(model, batch)
+        (loss * planned.loss_scale).backward()
+        logged += loss.item()
+    return [p.grad.clone() for p in model.parameters()], logged / len(rows)
+
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_the_global_batch_trains_the_same_loss_and_gradient_however_its_micro_batches_are_cut(name):
+    """GradCache is exact: the embeddings' gradient taken once over the whole batch and backpropagated a micro-batch
+    at a time equals the gradient of the loss taken over all rows at once (float64, to 1e-10)."""
+    objective, texts = OBJECTIVES[name]
+    pooling = Pooling("mean", normalize=name != "triplet")
+    model, rows = tiny_float64_bert(dropout=False), random_rows(8, texts)
+    batch = collate_texts(0)(rows)
+    model.zero_grad()
+    loss = objective(row_embeddings(model, batch, pooling, texts).double(), batch["score"].double())
+    loss.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    assert loss.item() > 0.01
+    for cuts in ([8], [4, 4], [2, 2, 2, 2], [3, 5]):
+        gradients, logged = cached_gradients(model, objective, texts, rows, cuts, pooling)
+        assert logged == pytest.approx(loss.item(), rel=1e-12)
+        for ours, theirs in zip(gradients, expected, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_the_pass_with_gradients_draws_the_dropout_masks_of_the_pass_without():
+    """Each micro-batch's second pass replays the random state of its first, so the gradient is of the loss the
+    embeddings were taken at: the same as embedding each micro-batch with gradients in the first pass's order."""
+    objective, pooling = Objective("multiple_negatives_ranking"), Pooling("mean", True)
+    model, rows = tiny_float64_bert(dropout=True), random_rows(8, 2)
+    collate = collate_texts(0)
+    torch.manual_seed(5)
+    model.zero_grad()
+    embeddings = torch.cat([row_embeddings(model, collate(rows[:4]), pooling, 2),
+                            row_embeddings(model, collate(rows[4:]), pooling, 2)])
+    objective(embeddings.double()).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    torch.manual_seed(5)
+    gradients, _ = cached_gradients(model, objective, 2, rows, [4, 4], pooling)
+    for ours, theirs in zip(gradients, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+    torch.manual_seed(6)  # and another draw would have given another gradient
+    other, _ = cached_gradients(model, objective, 2, rows, [4, 4], pooling)
+    assert max((a - b).abs().max().item() for a, b in zip(other, expected, strict=True)) > 1e-4
+
+
+def test_retrieval_metrics_rank_each_querys_document_among_the_whole_corpus():
+    corpus = torch.eye(12, dtype=torch.float64)
+    # query 0 finds its document first; query 1's is third; query 2's is twelfth
+    queries = torch.zeros(3, 12, dtype=torch.float64)
+    queries[0, 0] = 1
+    queries[1, 1], queries[1, 4], queries[1, 5] = 0.5, 0.7, 0.6
+    queries[2] = torch.linspace(1.0, 0.1, 12)
+    metrics = retrieval_metrics(queries, corpus, torch.tensor([0, 2, 11]))
+    # query 1's document 2 scores 0, tied with eight others behind the three it scores above 0: a tie ranks it first
+    assert metrics["mrr@10"] == pytest.approx((1 + 1 / 4 + 0) / 3)
+    metrics = retrieval_metrics(queries, corpus, torch.tensor([0, 1, 11]))
+    assert metrics["mrr@10"] == pytest.approx((1 + 1 / 3) / 3)
+    assert (metrics["recall@1"], metrics["recall@5"], metrics["recall@10"]) == pytest.approx((1 / 3, 2 / 3, 2 / 3))
+    assert metrics["ndcg@10"] == pytest.approx((1 + 1 / math.log2(4)) / 3)
+
+
+def test_correlations_are_scipys():
+    from scipy import stats
+
+    generator = torch.Generator().manual_seed(0)
+    predicted = torch.rand(50, generator=generator).tolist()
+    reference = [round(p * 4 + torch.rand(1, generator=generator).item()) / 5 for p in predicted]  # with ties
+    ours = correlations(predicted, reference)
+    assert ours["spearman"] == pytest.approx(stats.spearmanr(predicted, reference).statistic, rel=1e-12)
+    assert ours["pearson"] == pytest.approx(stats.pearsonr(predicted, reference).statistic, rel=1e-12)
+
+
+# -- the recipe
+
+def pairs(count: int, start: int = 0, negatives: bool = False) -> list[dict]:
+    data = make_support_answers()["train"]
+    rows = [{"anchor": data[i]["anchor"], "positive": data[i]["positive"]} for i in range(start, start + count)]
+    if negatives:  # the next row's answer, unless it is the same
+        for i, row in enumerate(rows):
+            row["negative"] = next(r["positive"] for r in rows[i + 1:] + rows if r["positive"] != row["positive"])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def pair_files(tmp_path_factory) -> list[str]:
+    folder = tmp_path_factory.mktemp("pairs")
+    return ["--train_file", write_jsonl(folder / "train.jsonl", pairs(40, negatives=True)),
+            "--validation_file", write_jsonl(folder / "validation.jsonl", pairs(24, start=100))]
+
+
+FLAGS = ["--max_seq_length", "32", "--logging_steps", "1", "--learning_rate", "1e-3", "--per_device_eval_batch_size",
+         "8"]
+
+
+def test_the_saved_folder_is_a_sentence_transformer_that_embeds_as_the_recipe_did(pair_files, tiny_bert, tmp_path):
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, AutoTokenizer
+
+    base, out = tmp_path / "base", tmp_path / "out"  # the tiny BERT with the default MiniLM's pooling modules
+    shutil.copytree(tiny_bert, base)
+    shutil.copy(Path(default_model_path()) / "modules.json", base)
+    shutil.copytree(Path(default_model_path()) / "1_Pooling", base / "1_Pooling")
+    result = run_on("embed", base, pair_files, out, *FLAGS, "--per_device_train_batch_size", "8",
+                    "--max_train_steps", "3")
+    before = next(line for line in result.stdout.splitlines() if line.startswith("before training: "))
+    assert "eval_mrr@10" in before
+    results = read_results(out)
+    assert 0 < results["eval_mrr@10"] <= 1 and results["eval_recall@1"] <= results["eval_recall@5"]
+    assert json.loads((out / "1_Pooling" / "config.json").read_text())["pooling_mode_mean_tokens"] is True
+    assert [m["type"].rsplit(".", 1)[1] for m in json.loads((out / "modules.json").read_text())] == [
+        "Transformer", "Pooling", "Normalize"]  # the base MiniLM's pooling, kept
+    texts = [row["anchor"] for row in pairs(6, start=300)] + ["a long one " * 40]
+    theirs = SentenceTransformer(str(out), device="cpu").encode(texts, convert_to_tensor=True)
+    tokenizer, model = AutoTokenizer.from_pretrained(out), AutoModel.from_pretrained(out).eval()
+    ids = tokenizer(texts, truncation=True, max_length=32)["input_ids"]
+    with torch.no_grad():
+        ours = row_embeddings(model, collate_texts(tokenizer.pad_token_id)([{"text_0": i} for i in ids]),
+                              Pooling("mean", True), 1)[:, 0]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    assert (ours.norm(dim=-1) - 1).abs().max() < 1e-6
+    assert len((out / "eval_predictions.jsonl").read_text().splitlines()) == 24
+
+
+def test_scored_pairs_train_with_cosent_and_report_correlations(tiny_bert, tmp_path):
+    rows = [{"sentence1": a["anchor"], "sentence2": (a if i % 2 else b)["positive"], "score": 0.9 if i % 2 else 0.1}
+            for i, (a, b) in enumerate(zip(pairs(32), pairs(32, start=50), strict=True))]
+    data = ["--train_file", write_jsonl(tmp_path / "train.jsonl", rows[:24]),
+            "--validation_file", write_jsonl(tmp_path / "validation.jsonl", rows[24:])]
+    run_on("embed", tiny_bert, data, tmp_path / "out", *FLAGS, "--loss", "cosent", "--max_train_steps", "2",
+           "--pooling", "cls", "--normalize", "false")
+    results = read_results(tmp_path / "out")
+    assert -1 <= results["eval_spearman"] <= 1 and -1 <= results["eval_pearson"] <= 1
+    assert "2_Normalize" not in (tmp_path / "out" / "modules.json").read_text()
+    assert json.loads((tmp_path / "out" / "1_Pooling" / "config.json").read_text())["pooling_mode_cls_token"]
+
+
+@pytest.mark.parametrize(("rows", "flags", "expected"), [
+    ([{"anchor": "a", "answer": "b"}] * 4, [], ["no column 'positive'", "--columns"]),
+    ([{"anchor": "a", "positive": " "}] * 4, [], ["train data row 1", "'positive' is empty"]),
+    ([{"anchor": "a", "positive": "b"}], [], ["1 row", "at least 2"]),
+    ([{"sentence1": "a", "sentence2": "b", "score": 4.0}] * 4, ["--loss", "cosent"], ["'score' is 4.0", "[-1, 1]"]),
+    ([{"anchor": "a", "positive": "b"}] * 4, ["--loss", "triplet"], ["triplet needs", "negative"]),
+    ([{"anchor": "a", "positive": "b"}] * 4, ["--columns", "anchor"], ["takes at least 2 text columns"]),
+])
+def test_bad_pairs_are_refused_in_one_line_before_training(rows, flags, expected, tiny_bert, tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("earlier work")
+    assert_refused("embed", ["--train_file", data, "--validation_file", data, "--model_name_or_path",
+                             str(tiny_bert), "--output_dir", str(out), *flags], tmp_path, *expected)
+
+
+# -- every layout trains the same global batches
+
+@pytest.fixture(scope="module")
+def parity_runs(pair_files, tiny_bert_without_dropout, tmp_path_factory) -> dict:
+    """4 steps of global batches of 8 rows (anchor, positive, a hard negative): on 1 process, on 1 with accumulation
+    2, on 2 processes under each launcher and sharded; checkpoints every 2 steps."""
+    flags = [*FLAGS, "--symmetric", "--max_train_steps", "4", "--checkpointing_steps", "2"]
+    outs = {name: tmp_path_factory.mktemp("embed") / name
+            for name in ("one", "accumulation", "accelerate", "torchrun", "fsdp")}
+    model = tiny_bert_without_dropout
+    run_on("embed", model, pair_files, outs["one"], *flags, "--per_device_train_batch_size", "8")
+    run_on("embed", model, pair_files, outs["accumulation"], *flags, "--per_device_train_batch_size", "4",
+           "--gradient_accumulation_steps", "2")
+    for name, launcher, sharded in (("accelerate", "accelerate", []), ("torchrun", "torchrun", []),
+                                    ("fsdp", "torchrun", ["--fsdp"])):
+        run_on("embed", model, pair_files, outs[name], *flags, *sharded, "--per_device_train_batch_size", "4",
+               launcher=launcher, processes=2)
+    return outs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_one_process_two_and_accumulation_train_the_same_global_batch_loss_under_both_launchers_and_sharded(
+        parity_runs):
+    reference = log_history(parity_runs["one"])
+    assert [h["step"] for h in reference] == [1, 2, 3, 4] and reference[0]["loss"] > 0.1
+    for name in ("accumulation", "accelerate", "torchrun", "fsdp"):
+        history = log_history(parity_runs[name])
+        assert [h["step"] for h in history] == [1, 2, 3, 4]
+        for ours, theirs in zip(history, reference, strict=True):
+            assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5), (name, ours, theirs)
+            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (name, ours, theirs)
+        assert max_weight_diff(parity_runs[name], parity_runs["one"]) < 1e-5, name
+        for metric in ("eval_mrr@10", "eval_ndcg@10"):
+            assert read_results(parity_runs[name])[metric] == pytest.approx(
+                read_results(parity_runs["one"])[metric], abs=1e-6), (name, metric)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_run_resumed_from_its_checkpoint_trains_as_the_uninterrupted_one(parity_runs, pair_files,
+                                                                           tiny_bert_without_dropout, tmp_path):
+    out = tmp_path / "resumed"
+    run_on("embed", tiny_bert_without_dropout, pair_files, out, *FLAGS, "--symmetric", "--max_train_steps", "4",
+           "--per_device_train_batch_size", "4", "--checkpointing_steps", "2",
+           "--resume_from_checkpoint", str(parity_runs["torchrun"] / "checkpoints" / "step_2"),
+           launcher="torchrun", processes=2)
+    history = log_history(out)
+    assert [h["step"] for h in history] == [3, 4]
+    for ours, theirs in zip(history, log_history(parity_runs["torchrun"])[2:], strict=True):
+        assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"])
+    assert max_weight_diff(out, parity_runs["torchrun"]) == 0
+
+
+def test_a_tiny_run_in_this_process(pair_files, tiny_bert, tmp_path):
+    """Triplets train (the loss of a margin the embeddings do not yet keep is above 0) with the hard negatives."""
+    result = train_here("embed", *pair_files, "--model_name_or_path", str(tiny_bert), "--output_dir",
+                        str(tmp_path / "out"), *FLAGS, "--loss", "triplet", "--max_train_steps", "2")
+    assert "triplet loss over anchor + positive + negative" in result.stdout
+    assert log_history(tmp_path / "out")[0]["loss"] > 0
