@@ -4,7 +4,7 @@ DPOTrainer and GRPOTrainer.
     python bench/baselines.py KIND DATA_FILE OUT_DIR [--seed N] [--per_device_train_batch_size N] [--eval_file F]
     (KIND: loop_random, loop_same_optimizer, trainer_default, trainer_grouped, trainer_ner, loop_sft,
     trl_padding_free, trl_default, trl_memory, trl_long, loop_dpo, trl_dpo, trl_dpo_default, trl_dpo_memory,
-    trl_dpo_long or trl_grpo;
+    trl_dpo_long, trl_grpo, st_mnrl or st_cached_mnrl_large;
     the batch size is the chat and preference baselines' only, their recipe's by default; the memory kinds
     evaluate on --eval_file)
 
@@ -78,6 +78,23 @@ class CountingCollator:
         batch = self.collate(features)
         if self.counting:
             probe.record_batch(batch, len(features), self.rows_per_example)
+        return batch
+
+
+class CountingTextsCollator:
+    """sentence-transformers' collator (each text column tokenized and padded apart) telling the probe what each
+    batch held; everything else the trainer asks of it is the collator's."""
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __getattr__(self, name):
+        return getattr(self.collate, name)
+
+    def __call__(self, features):
+        batch = self.collate(features)
+        masks = [value for key, value in batch.items() if key.endswith("attention_mask")]
+        probe.record_counts(len(features), int(sum(m.sum() for m in masks)), sum(m.numel() for m in masks))
         return batch
 
 
@@ -347,9 +364,52 @@ def trl_grpo(train_jsonl: str, output_dir: str) -> None:
     trainer.train()
 
 
+def sentence_transformers_embed(kind: str, train_jsonl: str, output_dir: str, eval_jsonl: str, seed: int) -> None:
+    """sentence-transformers' trainer on the embedding recipe's work: the same model, pairs, loss (scale 20),
+    learning rate, weight decay, clipping, linear schedule, sequence limit and global batch, one epoch, its own
+    batch sampler and collator (which tokenizes each batch); ``st_cached_mnrl_large`` at the recipe's large batch
+    in mini-batches of the recipe's micro-batch. Then the held-out retrieval of the recipe's metric, from its
+    ``encode``, into ``all_results.json``."""
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+        losses,
+    )
+    from suites import EMBED_BATCH, EMBED_LARGE_BATCH
+
+    from finetune.tasks.metrics import retrieval_metrics
+
+    recipe = recipe_module("embed")
+    model = SentenceTransformer(default_model_path(), device="cuda" if torch.cuda.is_available() else "cpu")
+    model.max_seq_length = MAX_LENGTH
+    cached = kind == "st_cached_mnrl_large"
+    loss = (losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=EMBED_BATCH) if cached
+            else losses.MultipleNegativesRankingLoss(model))
+    args = SentenceTransformerTrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=EMBED_LARGE_BATCH if cached else EMBED_BATCH,
+        learning_rate=recipe.DEFAULTS["learning_rate"], weight_decay=RECIPE.weight_decay,
+        max_grad_norm=RECIPE.max_grad_norm, lr_scheduler_type="linear", num_train_epochs=1, seed=seed,
+        bf16=torch.cuda.is_available(), save_strategy="no", report_to="none", logging_steps=10)
+    trainer = SentenceTransformerTrainer(model=model, args=args, loss=loss,
+                                         train_dataset=datasets.load_dataset("json", data_files=train_jsonl,
+                                                                             split="train"))
+    trainer.data_collator = CountingTextsCollator(trainer.data_collator)
+    trainer.train()
+    held_out = datasets.load_dataset("json", data_files=eval_jsonl, split="train")
+    documents: dict[str, int] = {}
+    relevant = [documents.setdefault(text, len(documents)) for text in held_out["positive"]]
+    scores = retrieval_metrics(model.encode(held_out["anchor"], convert_to_tensor=True).cpu(),
+                               model.encode(list(documents), convert_to_tensor=True).cpu(), torch.tensor(relevant))
+    Path(output_dir, "all_results.json").write_text(json.dumps({f"eval_{k}": v for k, v in scores.items()}))
+
+
 def main(kind: str, train_csv: str, output_dir: str, seed: int, chat_batch_size: int | None,
          eval_file: str | None) -> None:
     probe.install()
+    if kind.startswith("st_"):
+        sentence_transformers_embed(kind, train_csv, output_dir, eval_file, seed)
+        return
     if kind == "trainer_ner":
         trainer_ner(output_dir, seed)
         return

@@ -78,10 +78,10 @@ def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, g
     if batch_size:
         shared += ["--per_device_train_batch_size", str(batch_size)]
     if config.launcher == "python":
-        evaluation = ["--eval_file", str(eval_csv)] if config.long_chats else []
+        evaluation = ["--eval_file", str(eval_csv)] if config.long_chats or config.recipe == "embed" else []
         return [sys.executable, str(BENCH / "baselines.py"), config.name, str(train_csv), str(output_dir), *shared,
                 *evaluation]
-    if config.recipe in ("classify", "sft", "dpo", "grpo"):
+    if config.recipe in ("classify", "embed", "sft", "dpo", "grpo"):
         recipe_flags = ["--train_file", str(train_csv), "--validation_file", str(eval_csv), "--num_train_epochs",
                         str(config.epochs)]
     else:
@@ -106,7 +106,7 @@ def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, g
 
 
 def run_config(config: Config, data: tuple[Path, Path], scratch: Path, env: dict, gpus: int, seed: int | None,
-               batch_size: int | None) -> dict:
+               batch_size: int | None, quality: str) -> dict:
     report_dir = scratch / f"{config.name}-reports"
     output_dir = scratch / f"{config.name}-out"
     for folder in (report_dir, output_dir):
@@ -120,10 +120,10 @@ def run_config(config: Config, data: tuple[Path, Path], scratch: Path, env: dict
     )
     if result.returncode != 0:
         sys.exit(f"error: {config.name} exited {result.returncode}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    results = output_dir / "all_results.json"  # the recipes' and the NER baseline's own results
-    f1 = json.loads(results.read_text()).get("eval_f1") if results.is_file() else None
+    results = output_dir / "all_results.json"  # the recipes' own results, and the baselines' that write them
+    figure = json.loads(results.read_text()).get(quality) if results.is_file() else None
     return {"reports": [json.loads(p.read_text()) for p in sorted(report_dir.glob("rank*.json"))],
-            "wall_seconds": time.time() - launched_at, "f1": f1}
+            "wall_seconds": time.time() - launched_at, "quality": figure}
 
 
 def summarize(config: Config, run: dict, flops: dict, matmul_rate: float, peak: float | None) -> dict:
@@ -155,7 +155,7 @@ def summarize(config: Config, run: dict, flops: dict, matmul_rate: float, peak: 
         "optimizer_steps": len(steps),
         "threads_per_process": main["threads"],
         "wall_seconds": run["wall_seconds"],
-        "f1": run["f1"],
+        "quality": run["quality"],
     }
 
 
@@ -257,7 +257,7 @@ def run_suite(suite: Suite, settings: Settings, machine: Machine) -> Measurement
                 for config in order:
                     run = run_config(config, long_data if config.long_chats else data, scratch, env, machine.gpus,
                                      seed, config.batch_size if config.long_chats
-                                     else settings.per_device_train_batch_size)
+                                     else settings.per_device_train_batch_size, suite.quality)
                     runs[config.name].append(summarize(config, run, flops, matmul[-1], machine.bf16_peak))
                     latest = runs[config.name][-1]
                     print(f"[{repeat + 1}/{settings.repeats}] {config.name:<20} {latest['samples_per_second']:7.1f} "

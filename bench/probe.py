@@ -61,6 +61,11 @@ def record_batch(batch: dict, num_real: int, rows_per_example: int = 1) -> None:
         _batches.append((num_real, int(batch["input_ids"].numel()), int(batch["input_ids"].numel()), time.time()))
 
 
+def record_counts(examples: int, real_tokens: int, padded_tokens: int) -> None:
+    """Count one training batch from its figures (a baseline whose batches ``record_batch`` does not read)."""
+    _batches.append((examples, real_tokens, padded_tokens, time.time()))
+
+
 def time_phase(owner, name: str, phase: str, sampled=None) -> None:
     """Time every call of ``owner.name`` as ``phase``. ``sampled(args, result)`` gives the completions (token id
     lists) a call sampled for training, None for others (evaluation's): they are counted as a batch that began
@@ -161,6 +166,7 @@ def _count_recipe_batches() -> None:
     )
 
     from finetune.data.batching import PlannedBatch, TokenizedDataset
+    from finetune.tasks import embedding
     from finetune.tasks.preference import PromptRepliesCollator
 
     planned_real: list[int | None] = [None]
@@ -179,6 +185,21 @@ def _count_recipe_batches() -> None:
         return call_and_count
 
     TokenizedDataset.__getitems__ = fetch_and_note
+    original_texts = embedding.collate_texts
+
+    def counting_texts(*args, **kwargs):  # the embedding recipe's collator: each text column padded apart
+        collate = original_texts(*args, **kwargs)
+
+        def call_and_count(rows):
+            batch = collate(rows)
+            if planned_real[0] is not None:
+                masks = [value for key, value in batch.items() if key.startswith("attention_mask_")]
+                record_counts(planned_real[0], sum(int(m[:planned_real[0]].sum()) for m in masks),
+                              sum(m.numel() for m in masks))
+            return batch
+        return call_and_count
+
+    embedding.collate_texts = counting_texts
     for collator in (DataCollatorWithPadding, DataCollatorForTokenClassification, DataCollatorForSeq2Seq,
                      DataCollatorWithFlattening):
         collator.__call__ = counting(collator.__call__)

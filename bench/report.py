@@ -70,7 +70,7 @@ def collect(suite: Suite, settings: Settings, machine: Machine, measured: Measur
                                          for rank in range(config.processes)],
             "optimizer_steps": figures[0]["optimizer_steps"],
             **{measure: spread([f[measure] for f in figures]) for measure in STEP_SPLIT if measure in figures[0]},
-            "eval_f1": spread([f["f1"] for f in figures]) if figures[0]["f1"] is not None else None,
+            suite.quality: spread([f["quality"] for f in figures]) if figures[0]["quality"] is not None else None,
             "runs": figures,
         }
     return {
@@ -79,6 +79,7 @@ def collect(suite: Suite, settings: Settings, machine: Machine, measured: Measur
         "suite": suite.name,
         "repeats": repeats,
         "ratios_of": suite.ratios_of,
+        "quality": suite.quality,
         "train_examples": settings.train_examples,
         "per_device_train_batch_size": settings.per_device_train_batch_size,
         "window": "the whole training: every example, from the first training batch to the last optimizer step",
@@ -163,7 +164,7 @@ def markdown(results: dict) -> str:
         "",
         "| configuration | samples | real tokens | samples/s | tokens/s | padding efficiency | useful GFLOP/s | "
         "of matmul | MFU (bf16 peak) | first step (s) | peak RSS (MiB) | peak GPU memory (GiB) | all-reduces | "
-        "eval F1 |",
+        f"{results['quality'].removeprefix('eval_')} |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, c in results["configs"].items():
@@ -174,7 +175,7 @@ def markdown(results: dict) -> str:
             f"{cell(c['model_flops_utilisation'], 3)} | {cell(c['seconds_to_first_step'])} | "
             f"{', '.join(map(str, c['peak_rss_mib_per_process']))} | {cell(c['peak_gpu_memory_gib'])} | "
             f"{c['all_reduces_per_optimizer_step']['median']:g} per step, "
-            f"{c['all_reduces_per_micro_step']['median']:g} per micro-step | {cell(c['eval_f1'], 3)} |"
+            f"{c['all_reduces_per_micro_step']['median']:g} per micro-step | {cell(c[results['quality']], 3)} |"
         )
     for name, why in results["skipped"].items():
         lines.append(f"| {name} | not run: {why} | | | | | | | | | | | | |")

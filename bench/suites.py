@@ -138,6 +138,32 @@ def write_prompt_data(folder: Path, train_examples: int, eval_examples: int) -> 
     return paths[0], paths[1]
 
 
+def write_answer_pairs(folder: Path, train_examples: int, eval_examples: int) -> tuple[Path, Path]:
+    """The embedding recipe's embedded pairs (``anchor`` a ticket, ``positive`` its answer) as jsonl files both
+    sides read: the first ``train_examples`` of its 2,400 training pairs and the first ``eval_examples`` held-out
+    ones (worded anew)."""
+    from finetune.data.embedded.support_answers import make_support_answers
+
+    pairs = make_support_answers()
+    paths = []
+    for split, count in (("train", train_examples), ("validation", eval_examples)):
+        path = folder / f"{split}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in pairs[split].select(range(count)).to_list()))
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def embedder_flops() -> dict:
+    """FLOPs of one training step of the default embedder per real token (every encoder weight trains: 6 a use);
+    the extra pass without gradients of a cached loss is not useful work and is not counted."""
+    from transformers import AutoConfig, AutoModel
+
+    with torch.device("meta"):
+        model = AutoModel.from_config(AutoConfig.from_pretrained(default_model_path()))
+    return {"per_token": 6 * sum(p.numel() for name, p in model.named_parameters() if name.startswith("encoder.")),
+            "per_example": 0}
+
+
 LONG_CHAT_TOKENS, LONG_CHAT_TRAIN, LONG_CHAT_EVAL = 512, 8, 8
 """The memory comparison: one training step at batch 8, then one evaluation batch of 8, every row 512 tokens.
 One step: a second adds what the C allocator keeps of the first step's freed memory (0.5 to 3 GB more resident
@@ -248,6 +274,8 @@ class Suite:
     """FLOPs of one of its training steps per real token and per example: what counts as useful work."""
     takes_batch_size: bool = False
     """``--per_device_train_batch_size`` applies (the chat suites); the others train at the recipes' batch."""
+    quality: str = "eval_f1"
+    """The held-out figure of each run, from its ``all_results.json`` (the baselines that are compared write it)."""
 
 
 CLASSIFY = Suite(
@@ -304,7 +332,7 @@ TOKEN_CLASSIFY = Suite(
                "python", recipe="token_classify"),
     ],
     ratios={"token_classify_vs_trainer": Ratio("token_classify_recipe", "trainer_ner", 1.2)},
-    differences={"token_classify_f1_minus_trainer_f1": Difference("token_classify_recipe", "trainer_ner", "f1",
+    differences={"token_classify_f1_minus_trainer_f1": Difference("token_classify_recipe", "trainer_ner", "quality",
                                                                   -0.01)},
     seeded=True,
 )
@@ -415,4 +443,33 @@ GRPO = Suite(
     eval_examples=8,
     flops=lambda: {"per_token": float("nan"), "per_example": float("nan")},
 )
-SUITES = {suite.name: suite for suite in (CLASSIFY, HUB_PUSH, TOKEN_CLASSIFY, SFT, DPO, GRPO)}
+EMBED_BATCH, EMBED_LARGE_BATCH = 32, 128
+EMBED = Suite(
+    "embed",
+    results_file="embed",
+    configs=[
+        Config("embed_recipe", f"embed.py, accelerate launch, global batch {EMBED_BATCH}", "accelerate",
+               recipe="embed"),
+        Config("st_mnrl", f"SentenceTransformerTrainer, MultipleNegativesRankingLoss, batch {EMBED_BATCH}", "python",
+               recipe="embed"),
+        Config("embed_recipe_large", f"embed.py, accelerate launch, global batch {EMBED_LARGE_BATCH}: "
+               f"{EMBED_BATCH} x accumulation {EMBED_LARGE_BATCH // EMBED_BATCH}", "accelerate", recipe="embed",
+               accumulation=EMBED_LARGE_BATCH // EMBED_BATCH),
+        Config("st_cached_mnrl_large", f"SentenceTransformerTrainer, CachedMultipleNegativesRankingLoss, batch "
+               f"{EMBED_LARGE_BATCH} in mini-batches of {EMBED_BATCH}", "python", recipe="embed"),
+    ],
+    # Both sides train the same loss on the same pairs at the same global batch, each pair once: pairs per second.
+    ratios={"embed_vs_st": Ratio("embed_recipe", "st_mnrl", 1.3),
+            "embed_vs_st_cached": Ratio("embed_recipe_large", "st_cached_mnrl_large", 1.3)},
+    memory_ratios={"embed_peak_memory_vs_st_cached": Ratio("embed_recipe_large", "st_cached_mnrl_large", 1.0)},
+    differences={"embed_mrr_minus_st": Difference("embed_recipe", "st_mnrl", "quality", -0.01),
+                 "embed_mrr_minus_st_cached": Difference("embed_recipe_large", "st_cached_mnrl_large", "quality",
+                                                         -0.01)},
+    seeded=True,
+    write_data=write_answer_pairs,
+    train_examples=1280,
+    eval_examples=600,
+    flops=embedder_flops,
+    quality="eval_mrr@10",
+)
+SUITES = {suite.name: suite for suite in (CLASSIFY, HUB_PUSH, TOKEN_CLASSIFY, EMBED, SFT, DPO, GRPO)}

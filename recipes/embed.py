@@ -34,6 +34,9 @@ from finetune.task import ModelCardInfo, TaskSetup
 from finetune.tasks.embedding import CachedGradients, Objective, collate_texts, row_embeddings, tokenize_text_rows
 from finetune.tasks.metrics import correlations, retrieval_metrics
 
+DEFAULTS = {"output_dir": "outputs/embed", "num_train_epochs": 1, "learning_rate": 5e-5}
+"""The shared options' defaults for this recipe (sentence-transformers' learning rate)."""
+
 
 @dataclass
 class EmbedArguments:
@@ -169,7 +172,7 @@ class EmbedTask:
 
 def main(argv=None):
     run_recipe(EmbedTask, EmbedArguments, argv, description="Fine-tune a sentence-embedding model.",
-               defaults={"output_dir": "outputs/embed", "num_train_epochs": 1, "learning_rate": 5e-5})
+               defaults=DEFAULTS)
 
 
 if __name__ == "__main__":

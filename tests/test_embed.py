@@ -185,7 +185,7 @@ def test_the_saved_folder_is_a_sentence_transformer_that_embeds_as_the_recipe_di
     ids = tokenizer(texts, truncation=True, max_length=32)["input_ids"]
     with torch.no_grad():
         ours = row_embeddings(model, collate_texts(tokenizer.pad_token_id)([{"text_0": i} for i in ids]),
-                              Pooling("mean", True), 1)[:, 0]
+                              Pooling("mean", True), 1)[:, 0]  # (the texts padded to the longest, as theirs are)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
     assert (ours.norm(dim=-1) - 1).abs().max() < 1e-6
     assert len((out / "eval_predictions.jsonl").read_text().splitlines()) == 24
@@ -253,7 +253,9 @@ def test_one_process_two_and_accumulation_train_the_same_global_batch_loss_under
         for ours, theirs in zip(history, reference, strict=True):
             assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5), (name, ours, theirs)
             assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (name, ours, theirs)
-        assert max_weight_diff(parity_runs[name], parity_runs["one"]) < 1e-5, name
+        # (AdamW's steps are about the learning rate, 1e-3, nearly its sign where a gradient is near 0: a twentieth
+        # of a step is float rounding in the order of the sums, the cached one's against the direct one's)
+        assert max_weight_diff(parity_runs[name], parity_runs["one"]) < 5e-5, name
         for metric in ("eval_mrr@10", "eval_ndcg@10"):
             assert read_results(parity_runs[name])[metric] == pytest.approx(
                 read_results(parity_runs["one"])[metric], abs=1e-6), (name, metric)

@@ -32,9 +32,11 @@ LENGTH, LOSS_UNITS = "length", "loss_units"
 
 
 def padded_tokens(batch: dict) -> int:
-    """The token positions a batch puts through the model, padding included: its ``input_ids``, or the
-    ``prompt_ids`` and ``reply_ids`` of a batch whose prompts each run once for their replies."""
-    return sum(batch[key].numel() for key in ("input_ids", "prompt_ids", "reply_ids") if key in batch)
+    """The token positions a batch puts through the model, padding included: its ``input_ids``, the ``prompt_ids``
+    and ``reply_ids`` of a batch whose prompts each run once for their replies, or the ``input_ids_0``,
+    ``input_ids_1``, ... of a batch of several texts a row, each text column padded apart."""
+    return sum(value.numel() for key, value in batch.items()
+               if key in ("input_ids", "prompt_ids", "reply_ids") or key.startswith("input_ids_"))
 
 
 class TokenizedDataset(Dataset):

@@ -38,6 +38,7 @@ __all__ = [
     "load_state_dict_unwrapped",
     "save_unwrapped",
     "unwrap",
+    "world_size",
     "wrap_model",
 ]
 
@@ -121,6 +122,11 @@ def all_gather_padded(tensor: torch.Tensor, pad_index: int = -100) -> list[torch
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor)
     return parts
+
+
+def world_size() -> int:
+    """The processes of the default group (1 where there is none)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def all_gather_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -16,9 +16,9 @@ import datasets
 import torch
 import torch.nn.functional as F
 
-from finetune.data.batching import LENGTH, LOSS_UNITS, PlannedBatch
+from finetune.data.batching import LENGTH, LOSS_UNITS, PlannedBatch, padded_tokens
 from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
-from finetune.distributed.ddp import all_gather_rows
+from finetune.distributed.ddp import all_gather_rows, world_size
 from finetune.errors import UserError
 from finetune.models.sentence_folder import Pooling
 
@@ -56,40 +56,41 @@ class Objective:
         return loss
 
 
-def embed(model, batch: dict, pooling: Pooling) -> torch.Tensor:
-    """The pooled embeddings ``[texts, dim]`` (float32, or the model's wider dtype) of a batch's padded texts."""
-    hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    mask = batch["attention_mask"]
+def embed(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
+    """The pooled embeddings ``[texts, dim]`` (float32, or the model's wider dtype) of padded texts."""
+    hidden = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     if pooling.mode == "cls":
         pooled = hidden[:, 0]
     elif pooling.mode == "lasttoken":  # the last position the mask keeps, whichever side is padded
-        pooled = hidden[torch.arange(len(hidden), device=hidden.device), (mask.cumsum(-1)).argmax(-1)]
+        pooled = hidden[torch.arange(len(hidden), device=hidden.device), attention_mask.cumsum(-1).argmax(-1)]
     else:
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
     pooled = pooled.to(torch.promote_types(pooled.dtype, torch.float32))
     return F.normalize(pooled, p=2, dim=-1) if pooling.normalize else pooled
 
 
 def row_embeddings(model, batch: dict, pooling: Pooling, texts: int) -> torch.Tensor:
-    """``[rows, texts, dim]``: each row's embeddings, from a batch that holds its rows' ``texts`` texts text-major."""
-    pooled = embed(model, batch, pooling)
-    return pooled.view(texts, len(pooled) // texts, -1).transpose(0, 1)
+    """``[rows, texts, dim]``: the embeddings of each row's ``texts`` texts, each text column run apart (padded to
+    its own longest: answers are not padded to the length of the questions they answer)."""
+    return torch.stack([embed(model, batch[f"input_ids_{i}"], batch[f"attention_mask_{i}"], pooling)
+                        for i in range(texts)], dim=1)
 
 
 def collate_texts(pad_token_id: int, keys: tuple[str, ...] = ()):
-    """Rows (``text_0``, ``text_1``, ... token lists, ``score``) to one right-padded batch of all their texts, the
-    first text of every row first; ``keys`` are further per-row values to keep (evaluation's ``corpus_id``)."""
+    """Rows (``text_0``, ``text_1``, ... token lists, ``score``) to a batch: ``input_ids_i`` and ``attention_mask_i``
+    for each text column, right-padded to its longest; ``keys`` are further per-row values to keep (evaluation's
+    ``corpus_id``)."""
     def collate(rows: list[dict]) -> dict:
-        count = sum(key.startswith("text_") for key in rows[0])
-        texts = [row[f"text_{i}"] for i in range(count) for row in rows]
-        longest = max(len(ids) for ids in texts)
-        input_ids = torch.full((len(texts), longest), pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(texts), longest), dtype=torch.long)
-        for position, ids in enumerate(texts):
-            input_ids[position, :len(ids)] = torch.tensor(ids)
-            attention_mask[position, :len(ids)] = 1
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+        batch = {}
+        for i in range(sum(key.startswith("text_") for key in rows[0])):
+            texts = [row[f"text_{i}"] for row in rows]
+            input_ids = torch.full((len(texts), max(map(len, texts))), pad_token_id, dtype=torch.long)
+            attention_mask = torch.zeros_like(input_ids)
+            for position, ids in enumerate(texts):
+                input_ids[position, :len(ids)] = torch.tensor(ids)
+                attention_mask[position, :len(ids)] = 1
+            batch[f"input_ids_{i}"], batch[f"attention_mask_{i}"] = input_ids, attention_mask
         for key in ("score", *keys):
             if key in rows[0]:
                 batch[key] = torch.tensor([row[key] for row in rows])
@@ -149,11 +150,14 @@ class CachedGradients:
 
     def rollout(self, model, window: list[tuple[dict, PlannedBatch]]) -> list[tuple[dict, PlannedBatch]]:
         """Each micro-batch of ``window`` with its rows' gradient of the global batch's summed loss, its share of
-        that loss and the random state of its first pass."""
+        that loss and the random state of its first pass; a window that is the whole global batch (one micro-batch
+        on one process) as it is, to take its loss directly."""
+        if len(window) == 1 and world_size() == 1:
+            return window
         states, local, scores = [], [], []
         with torch.no_grad():
             for batch, planned in window:
-                states.append(_random_state(batch["input_ids"].device))
+                states.append(_random_state(batch["input_ids_0"].device))
                 embeddings = row_embeddings(model, batch, self.pooling, self.texts)
                 local.append(embeddings[:planned.num_real])  # a filler row keeps its rank stepping, nothing more
                 scores.append(batch["score"][:planned.num_real] if "score" in batch else embeddings.new_zeros(0))
@@ -165,11 +169,11 @@ class CachedGradients:
         gradients = torch.autograd.grad(total, embeddings)[0]
         rolled = []
         for (batch, planned), state, rows in zip(window, states, local, strict=True):
-            padded = gradients.new_zeros((len(batch["input_ids"]) // self.texts, *gradients.shape[1:]))
+            padded = gradients.new_zeros((len(batch["input_ids_0"]), *gradients.shape[1:]))
             padded[:len(rows)] = gradients[first:first + len(rows)]
             first += len(rows)
             share = total.detach() * len(rows) / len(embeddings)
-            tokens = (int(batch["attention_mask"].sum()), batch["input_ids"].numel())
+            tokens = (sum(int(batch[f"attention_mask_{i}"].sum()) for i in range(self.texts)), padded_tokens(batch))
             rolled.append(({**batch, "embedding_gradients": padded, "random_state": state, "loss_share": share},
                            PlannedBatch(list(planned), planned.num_real, planned.units, planned.loss_scale,
                                         planned.window, tokens)))
@@ -177,11 +181,11 @@ class CachedGradients:
 
     def loss(self, model, batch: dict) -> torch.Tensor:
         """The micro-batch's rows' part of the global batch's summed loss: its value their share, its gradient
-        theirs (``rollout``); a batch that was not rolled out (the memory estimate's) takes its own loss."""
+        theirs (``rollout``); a batch that is the whole global batch, or the memory estimate's, takes its own."""
         if "embedding_gradients" not in batch:
             embeddings = row_embeddings(model, batch, self.pooling, self.texts)
             return self.objective(embeddings, batch.get("score")) * len(embeddings)
-        device = batch["input_ids"].device
+        device = batch["input_ids_0"].device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             _set_random_state(batch["random_state"], device)
             embeddings = row_embeddings(model, batch, self.pooling, self.texts)
