@@ -28,6 +28,7 @@ from finetune.data.embedded.support_answers import SUPPORT_ANSWERS
 from finetune.data.sources import check_columns, load_splits
 from finetune.errors import UserError, run_main
 from finetune.models.loading import default_model_path, load_encoder_tokenizer, load_model
+from finetune.models.lora import add_lora
 from finetune.models.sentence_folder import Pooling, base_pooling, save_sentence_transformer
 from finetune.recipe import run_recipe
 from finetune.task import ModelCardInfo, TaskSetup
@@ -59,7 +60,16 @@ class EmbedArguments:
     normalize: bool | None = arg(None, "Scale embeddings to unit length. Default: as the base model does (on for "
                                        "the default MiniLM), else off.")
 
+    use_lora: bool = arg(False, "Train LoRA adapters only (the saved folder has them merged in).")
+    lora_r: int = arg(16, "LoRA rank.")
+    lora_alpha: int = arg(32, "LoRA scaling numerator (the update is scaled by alpha / r).")
+    lora_dropout: float = arg(0.05, "Dropout on the LoRA input.")
+    lora_target_modules: str = arg("all-linear", "Comma-separated module names to adapt, or all-linear.")
+
     def __post_init__(self):
+        if self.use_lora and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
+            raise UserError(f"--lora_r {self.lora_r} --lora_alpha {self.lora_alpha} --lora_dropout "
+                            f"{self.lora_dropout}: give a rank of at least 1, a positive alpha and a dropout in [0, 1)")
         if not self.scale > 0:
             raise UserError(f"--scale {self.scale}: give a positive scale (20 is sentence-transformers' default)")
         wanted = {"triplet": 3, "cosent": 2}.get(self.loss)
@@ -120,14 +130,25 @@ class EmbedTask:
         self.max_seq_length, columns = cfg.max_seq_length, data.info["columns"]
         self.cached = CachedGradients(Objective(self.args.loss, self.args.scale, self.args.symmetric,
                                                 self.args.triplet_margin), self.pooling, len(columns))
-        model = load_model(transformers.AutoModel, path, trust_remote_code=cfg.trust_remote_code)
-        if getattr(model, "pooler", None) is not None:  # BERT's pooler feeds no embedding: nothing to train
-            model.pooler.requires_grad_(False)
+        self.path, self.trust_remote_code = path, cfg.trust_remote_code
+        model = self._encoder()
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return TaskSetup(TokenizedDataset(data.train), TokenizedDataset(data.validation), collate_texts(pad), model,
                          eval_collate=collate_texts(pad, ("corpus_id",)),
                          summary=f"{self.args.loss} loss over {' + '.join(columns)}, {self.pooling.mode} pooling"
-                                 f"{', normalised' if self.pooling.normalize else ''}")
+                                 f"{', normalised' if self.pooling.normalize else ''}"
+                                 f"{f', LoRA r={self.args.lora_r}' if self.args.use_lora else ''}")
+
+    def _encoder(self):
+        """The base model, with LoRA adapters where asked; BERT's pooler, which feeds no embedding, frozen."""
+        model = load_model(transformers.AutoModel, self.path, trust_remote_code=self.trust_remote_code)
+        if self.args.use_lora:
+            model = add_lora(model, self.args.lora_r, self.args.lora_alpha, self.args.lora_dropout,
+                             self.args.lora_target_modules, task_type="FEATURE_EXTRACTION")
+        for name, parameter in model.named_parameters():
+            if ".pooler." in f".{name}":
+                parameter.requires_grad_(False)
+        return model
 
     def rollout(self, model, window, epoch):
         return self.cached.rollout(model, window)
@@ -167,6 +188,11 @@ class EmbedTask:
         return positives[[first_rows[d] for d in sorted(first_rows)]], corpus_ids
 
     def save(self, model, state_dict, tokenizer, output_dir):
+        if self.args.use_lora:  # merged into a fresh copy of the base: the trained model may be sharded
+            adapted = self._encoder()
+            adapted.load_state_dict(state_dict)
+            model = adapted.merge_and_unload()
+            state_dict = model.state_dict()
         save_sentence_transformer(model, state_dict, tokenizer, output_dir, self.pooling, self.max_seq_length)
 
 

@@ -11,10 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    HUB_TOKEN,
     assert_refused,
     log_history,
     max_weight_diff,
+    python_cmd,
+    read_jsonl,
     read_results,
+    recipe_path,
+    run,
     run_on,
     train_here,
     write_jsonl,
@@ -22,8 +27,10 @@ from helpers import (
 
 from finetune.data.batching import PlannedBatch
 from finetune.data.embedded.support_answers import make_support_answers
+from finetune.errors import run_main
 from finetune.models.loading import default_model_path
 from finetune.models.sentence_folder import Pooling
+from finetune.predict.__main__ import main as predict
 from finetune.tasks.embedding import CachedGradients, Objective, collate_texts, row_embeddings
 from finetune.tasks.metrics import correlations, retrieval_metrics
 
@@ -113,6 +120,21 @@ def test_the_pass_with_gradients_draws_the_dropout_masks_of_the_pass_without():
     assert max((a - b).abs().max().item() for a, b in zip(other, expected, strict=True)) > 1e-4
 
 
+def test_each_pooling_takes_the_tokens_it_names_and_never_a_pad():
+    model = tiny_float64_bert(dropout=False).eval()
+    rows = random_rows(3, 1)
+    batch = collate_texts(0)(rows)
+    with torch.no_grad():
+        hidden = [model(input_ids=torch.tensor([row["text_0"]])).last_hidden_state[0] for row in rows]
+        for mode, expected in (("mean", [h.mean(0) for h in hidden]), ("cls", [h[0] for h in hidden]),
+                               ("lasttoken", [h[-1] for h in hidden])):
+            pooled = row_embeddings(model, batch, Pooling(mode, normalize=False), 1)[:, 0]
+            torch.testing.assert_close(pooled, torch.stack(expected), rtol=1e-10, atol=1e-12)
+        normalised = row_embeddings(model, batch, Pooling("lasttoken", normalize=True), 1)[:, 0]
+        torch.testing.assert_close(normalised.norm(dim=-1), torch.ones(3, dtype=torch.float64))
+    assert len({len(row["text_0"]) for row in rows}) > 1, "rows of different lengths: some are padded"
+
+
 def test_retrieval_metrics_rank_each_querys_document_among_the_whole_corpus():
     corpus = torch.eye(12, dtype=torch.float64)
     # query 0 finds its document first; query 1's is third; query 2's is twelfth
@@ -189,6 +211,10 @@ def test_the_saved_folder_is_a_sentence_transformer_that_embeds_as_the_recipe_di
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
     assert (ours.norm(dim=-1) - 1).abs().max() < 1e-6
     assert len((out / "eval_predictions.jsonl").read_text().splitlines()) == 24
+    # python -m finetune.predict embeds a file's texts as the folder does
+    run_main(predict, [str(out), "--input", write_jsonl(tmp_path / "texts.jsonl", [{"text": t} for t in texts])])
+    predicted = torch.tensor([row["embedding"] for row in read_jsonl(out / "predictions.jsonl")])
+    torch.testing.assert_close(predicted, theirs, rtol=0, atol=1e-6)
 
 
 def test_scored_pairs_train_with_cosent_and_report_correlations(tiny_bert, tmp_path):
@@ -283,3 +309,39 @@ def test_a_tiny_run_in_this_process(pair_files, tiny_bert, tmp_path):
                         str(tmp_path / "out"), *FLAGS, "--loss", "triplet", "--max_train_steps", "2")
     assert "triplet loss over anchor + positive + negative" in result.stdout
     assert log_history(tmp_path / "out")[0]["loss"] > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_lora_trains_the_same_on_two_processes_and_saves_its_adapters_merged(pair_files, tiny_bert_without_dropout,
+                                                                            tmp_path):
+    from safetensors.torch import load_file
+
+    flags = [*FLAGS, "--use_lora", "--lora_dropout", "0", "--lora_target_modules", "query,value",
+             "--learning_rate", "1e-2", "--max_train_steps", "2"]
+    run_on("embed", tiny_bert_without_dropout, pair_files, tmp_path / "one", *flags,
+           "--per_device_train_batch_size", "8")
+    run_on("embed", tiny_bert_without_dropout, pair_files, tmp_path / "two", *flags,
+           "--per_device_train_batch_size", "4", launcher="torchrun", processes=2)
+    for ours, theirs in zip(log_history(tmp_path / "two"), log_history(tmp_path / "one"), strict=True):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    base, merged = load_file(tiny_bert_without_dropout / "model.safetensors"), load_file(
+        tmp_path / "one" / "model.safetensors")
+    assert merged.keys() == base.keys(), "a plain model folder: no adapter weights left"
+    changed = {name for name in base if not torch.equal(base[name], merged[name])}
+    assert changed == {f"encoder.layer.{i}.attention.self.{m}.weight" for i in range(2) for m in ("query", "value")}
+
+
+@pytest.mark.slow
+def test_the_hub_gets_the_sentence_transformers_folder_and_a_card_with_the_retrieval_metrics(hub, pair_files, tiny_bert,
+                                                                                            tmp_path):
+    run(python_cmd(*pair_files, "--model_name_or_path", str(tiny_bert), "--output_dir", str(tmp_path / "out"), *FLAGS,
+                   "--max_train_steps", "2", "--push_to_hub", "--hub_model_id", "alice/embedder", "--hub_token",
+                   HUB_TOKEN, script=recipe_path("embed")), env=hub.env)
+    files = hub.files("alice/embedder")
+    assert {"modules.json", "1_Pooling/config.json", "sentence_bert_config.json", "model.safetensors",
+            "tokenizer.json", "README.md"} <= set(files)
+    card = files["README.md"].decode()
+    assert "library_name: sentence-transformers" in card and "pipeline_tag: sentence-similarity" in card
+    assert f"| eval_mrr@10 | {read_results(tmp_path / 'out')['eval_mrr@10']:.4f} |" in card

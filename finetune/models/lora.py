@@ -62,9 +62,10 @@ class DropoutLinear(torch.nn.Linear):
         return f"{super().extra_repr()}, dropout={self.p}"
 
 
-def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str):
+def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str, task_type: str = "CAUSAL_LM"):
     """``model`` with LoRA adapters on ``target_modules`` (comma-separated module names, or ``all-linear``:
-    every linear layer but the output head); only the adapters train. With ``dropout``, each adapter keeps its
+    every linear layer but the output head); only the adapters train. ``task_type`` is peft's wrapper:
+    ``FEATURE_EXTRACTION`` for an encoder that returns hidden states. With ``dropout``, each adapter keeps its
     dropout's mask for the backward pass, not a dropped copy of its input (``DropoutLinear``).
 
     Raises:
@@ -74,7 +75,7 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str):
     from peft.tuners.lora import LoraLayer
 
     targets = target_modules if target_modules == "all-linear" else [n.strip() for n in target_modules.split(",")]
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type=task_type)
     try:
         model = get_peft_model(model, config)
     except ValueError as err:

@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "with the columns the recipe trains on")
     parser.add_argument("--output", type=Path, help="the JSON lines to write (default: OUTPUT_DIR/predictions.jsonl)")
     parser.add_argument("--batch_size", type=int, default=8, help="rows a process predicts at once")
-    parser.add_argument("--text_column", help="classify and tag: the text column (default: text; tokens)")
+    parser.add_argument("--text_column", help="classify, tag and embed: the text column (default: text; tokens)")
     parser.add_argument("--text_pair_column", help="classify: the second text of sentence pairs")
     parser.add_argument("--max_new_tokens", type=int, default=256, help="chat: the longest reply")
     parser.add_argument("--temperature", type=float, default=0.0, help="chat: 0 is greedy")

@@ -1,6 +1,6 @@
 """What each recipe's model predicts for a row: a classifier its label and every label's probability, a tagger
-each word's tag and the entities they spell (BIO), a chat model its reply. Each reads the columns its recipe
-trains on, and predicts a list of rows at a time in batches."""
+each word's tag and the entities they spell (BIO), an embedder the text's embedding, a chat model its reply. Each
+reads the columns its recipe trains on, and predicts a list of rows at a time in batches."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ __all__ = ["Plan", "Predictor", "load_predictor", "plan_for"]
 class Plan:
     """What a folder holds, known before its weights load: the kind of model and the columns it reads."""
     folder: Path
-    kind: str  # classify, tag or chat
-    columns: tuple[str, ...]  # classify and tag: the text column (and a pair's); chat: messages or prompt
+    kind: str  # classify, tag, embed or chat
+    columns: tuple[str, ...]  # classify and tag: the text column (and a pair's); embed: the text; chat: messages
+    # or prompt
     base_model: str | None = None
 
     def rows(self, data) -> list[dict]:
@@ -87,6 +88,19 @@ class Predictor:
                 for kind, first, last in spans]})
         return results
 
+    def _embed(self, rows: list[dict], sampling) -> list[dict]:
+        import torch
+
+        from finetune.models.sentence_folder import base_pooling
+        from finetune.tasks.embedding import embed
+
+        limit = json.loads((self.plan.folder / "sentence_bert_config.json").read_text())["max_seq_length"]
+        batch = self.tokenizer([row[self.plan.columns[0]] for row in rows], truncation=True, max_length=limit,
+                               padding=True, return_tensors="pt").to(self.model.device)
+        with torch.no_grad():
+            vectors = embed(self.model, batch["input_ids"], batch["attention_mask"], base_pooling(self.plan.folder))
+        return [{"embedding": vector} for vector in vectors.tolist()]
+
     def _chat(self, rows: list[dict], sampling) -> list[dict]:
         from finetune.predict.generation import replies
 
@@ -111,9 +125,9 @@ LABELLED = {"ForSequenceClassification": "classify", "ForTokenClassification": "
 
 
 def plan_for(folder: str | Path, text_columns: tuple[str, ...] = (), base_model: str | None = None) -> Plan:
-    """What ``folder`` holds, from its configuration alone: a classifier or tagger (reading ``text_columns``, by
-    default its recipe's ``text`` or ``tokens``) or a chat model (a model or an adapter; ``messages`` or
-    ``prompt``).
+    """What ``folder`` holds, from its configuration alone: a classifier, tagger or embedder (reading
+    ``text_columns``, by default its recipe's ``text`` or ``tokens``) or a chat model (a model or an adapter;
+    ``messages`` or ``prompt``).
 
     Raises:
         UserError: ``folder`` holds no trained model, or an adapter whose base cannot be read.
@@ -124,6 +138,8 @@ def plan_for(folder: str | Path, text_columns: tuple[str, ...] = (), base_model:
     check_trained_folder(folder)
     config_file = folder / "config.json"
     kinds = json.loads(config_file.read_text()).get("architectures", []) if config_file.is_file() else []
+    if (folder / "modules.json").is_file():  # the embedding recipe's sentence-transformers folder
+        return Plan(folder, "embed", text_columns[:1] or ("text",))
     for suffix, kind in LABELLED.items():
         if any(name.endswith(suffix) for name in kinds):
             return Plan(folder, kind, text_columns or (("text",) if kind == "classify" else ("tokens",)))
@@ -141,7 +157,7 @@ def load_predictor(plan: Plan, batch_size: int, device) -> Predictor:
     if plan.kind == "chat":
         trained = load_trained(plan.folder, plan.base_model)
         return Predictor(plan, trained.model.to(device), trained.tokenizer, batch_size)
-    auto_class = (transformers.AutoModelForSequenceClassification if plan.kind == "classify"
-                  else transformers.AutoModelForTokenClassification)
+    auto_class = {"classify": transformers.AutoModelForSequenceClassification, "embed": transformers.AutoModel,
+                  "tag": transformers.AutoModelForTokenClassification}[plan.kind]
     model = load_model(auto_class, str(plan.folder)).to(device).eval()
     return Predictor(plan, model, from_pretrained(transformers.AutoTokenizer, str(plan.folder)), batch_size)
