@@ -370,6 +370,7 @@ def sentence_transformers_embed(kind: str, train_jsonl: str, output_dir: str, ev
     batch sampler and collator (which tokenizes each batch); ``st_cached_mnrl_large`` at the recipe's large batch
     in mini-batches of the recipe's micro-batch. Then the held-out retrieval of the recipe's metric, from its
     ``encode``, into ``all_results.json``."""
+    from embed_default import held_out_retrieval
     from sentence_transformers import (
         SentenceTransformer,
         SentenceTransformerTrainer,
@@ -377,8 +378,6 @@ def sentence_transformers_embed(kind: str, train_jsonl: str, output_dir: str, ev
         losses,
     )
     from suites import EMBED_BATCH, EMBED_LARGE_BATCH
-
-    from finetune.tasks.metrics import retrieval_metrics
 
     recipe = recipe_module("embed")
     model = SentenceTransformer(default_model_path(), device="cuda" if torch.cuda.is_available() else "cpu")
@@ -397,10 +396,7 @@ def sentence_transformers_embed(kind: str, train_jsonl: str, output_dir: str, ev
     trainer.data_collator = CountingTextsCollator(trainer.data_collator)
     trainer.train()
     held_out = datasets.load_dataset("json", data_files=eval_jsonl, split="train")
-    documents: dict[str, int] = {}
-    relevant = [documents.setdefault(text, len(documents)) for text in held_out["positive"]]
-    scores = retrieval_metrics(model.encode(held_out["anchor"], convert_to_tensor=True).cpu(),
-                               model.encode(list(documents), convert_to_tensor=True).cpu(), torch.tensor(relevant))
+    scores = held_out_retrieval(model, held_out["anchor"], held_out["positive"])
     Path(output_dir, "all_results.json").write_text(json.dumps({f"eval_{k}": v for k, v in scores.items()}))
 
 

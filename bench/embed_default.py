@@ -28,17 +28,23 @@ from finetune.models.loading import default_model_path  # noqa: E402
 from finetune.tasks.metrics import retrieval_metrics  # noqa: E402
 
 
+def held_out_retrieval(model, anchors: list[str], positives: list[str]) -> dict[str, float]:
+    """Each anchor's positive ranked among the distinct positives, embedded by a ``SentenceTransformer``'s own
+    ``encode``, scored by the recipe's metric function."""
+    documents: dict[str, int] = {}
+    relevant = [documents.setdefault(text, len(documents)) for text in positives]
+    queries = model.encode(anchors, convert_to_tensor=True).cpu()
+    corpus = model.encode(list(documents), convert_to_tensor=True).cpu()
+    return retrieval_metrics(queries, corpus, torch.tensor(relevant))
+
+
 def sentence_transformers_scores(model_path: str) -> dict[str, float]:
-    """Retrieval of each held-out ticket's answer among the distinct answers, embedded by sentence-transformers."""
+    """The held-out tickets' answers retrieved by the model in ``model_path``, through sentence-transformers."""
     from sentence_transformers import SentenceTransformer
 
     validation = make_support_answers()["validation"]
-    documents: dict[str, int] = {}
-    relevant = [documents.setdefault(text, len(documents)) for text in validation["positive"]]
-    model = SentenceTransformer(model_path, device="cpu")
-    queries = model.encode(validation["anchor"], convert_to_tensor=True)
-    corpus = model.encode(list(documents), convert_to_tensor=True)
-    return retrieval_metrics(queries, corpus, torch.tensor(relevant))
+    return held_out_retrieval(SentenceTransformer(model_path, device="cpu"), validation["anchor"],
+                              validation["positive"])
 
 
 def main() -> None:

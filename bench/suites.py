@@ -129,13 +129,7 @@ def write_prompt_data(folder: Path, train_examples: int, eval_examples: int) -> 
     and the first ``eval_examples`` validation prompts."""
     from finetune.data.embedded.support_chats import make_support_prompts
 
-    prompts = make_support_prompts()
-    paths = []
-    for split, count in (("train", train_examples), ("validation", eval_examples)):
-        path = folder / f"{split}.jsonl"
-        path.write_text("".join(json.dumps(row) + "\n" for row in prompts[split].select(range(count)).to_list()))
-        paths.append(path)
-    return paths[0], paths[1]
+    return _write_first_rows(folder, make_support_prompts(), train_examples, eval_examples)
 
 
 def write_answer_pairs(folder: Path, train_examples: int, eval_examples: int) -> tuple[Path, Path]:
@@ -144,11 +138,16 @@ def write_answer_pairs(folder: Path, train_examples: int, eval_examples: int) ->
     ones (worded anew)."""
     from finetune.data.embedded.support_answers import make_support_answers
 
-    pairs = make_support_answers()
+    return _write_first_rows(folder, make_support_answers(), train_examples, eval_examples)
+
+
+def _write_first_rows(folder: Path, splits, train_examples: int, eval_examples: int) -> tuple[Path, Path]:
+    """The first rows of an embedded dataset's ``train`` and ``validation`` splits as ``train.jsonl`` and
+    ``validation.jsonl`` in ``folder``."""
     paths = []
     for split, count in (("train", train_examples), ("validation", eval_examples)):
         path = folder / f"{split}.jsonl"
-        path.write_text("".join(json.dumps(row) + "\n" for row in pairs[split].select(range(count)).to_list()))
+        path.write_text("".join(json.dumps(row) + "\n" for row in splits[split].select(range(count)).to_list()))
         paths.append(path)
     return paths[0], paths[1]
 

@@ -234,7 +234,11 @@ class Epochs:
             batches = _rolled_out(batches, lambda window: self.task.rollout(self.runtime.unwrap(self.model), window,
                                                                             epoch))
         for batch, planned in batches:
-            self._micro_step(batch, planned)
+            # An optimizer step every accumulation's micro-batches and at the epoch's end, counted here: a rollout
+            # takes a whole window from the loader before it trains, so the loader's position cannot say.
+            done = progress.batches_in_epoch + 1
+            self._micro_step(batch, planned, ends_step=done % self.cfg.gradient_accumulation_steps == 0
+                             or done == self.sampler.batches_per_rank)
             progress.batches_in_epoch += 1
             if self.runtime.sync_gradients:
                 progress.global_step += 1
@@ -246,9 +250,9 @@ class Epochs:
             if self.cfg.checkpointing_steps == "epoch":
                 self.guard.checkpoint()
 
-    def _micro_step(self, batch: dict, planned) -> None:
+    def _micro_step(self, batch: dict, planned, ends_step: bool) -> None:
         """Forward, backward, and the update at the end of a window, where gradients are all-reduced."""
-        with self.runtime.accumulate(self.model):
+        with self.runtime.accumulate(self.model, ends_step):
             loss = self.task.loss(self.model, batch)
             loss, figures = (loss, None) if torch.is_tensor(loss) else (loss.pop("loss"), loss)
             self.runtime.backward(loss * planned.loss_scale)

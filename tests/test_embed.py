@@ -176,7 +176,7 @@ def pairs(count: int, start: int = 0, negatives: bool = False) -> list[dict]:
 @pytest.fixture(scope="module")
 def pair_files(tmp_path_factory) -> list[str]:
     folder = tmp_path_factory.mktemp("pairs")
-    return ["--train_file", write_jsonl(folder / "train.jsonl", pairs(40, negatives=True)),
+    return ["--train_file", write_jsonl(folder / "train.jsonl", pairs(44, negatives=True)),
             "--validation_file", write_jsonl(folder / "validation.jsonl", pairs(24, start=100))]
 
 
@@ -251,11 +251,12 @@ def test_bad_pairs_are_refused_in_one_line_before_training(rows, flags, expected
 
 @pytest.fixture(scope="module")
 def parity_runs(pair_files, tiny_bert_without_dropout, tmp_path_factory) -> dict:
-    """4 steps of global batches of 8 rows (anchor, positive, a hard negative): on 1 process, on 1 with accumulation
-    2, on 2 processes under each launcher and sharded; checkpoints every 2 steps."""
-    flags = [*FLAGS, "--symmetric", "--max_train_steps", "4", "--checkpointing_steps", "2"]
+    """An epoch of 44 rows (anchor, positive, a hard negative) in global batches of 8, the sixth of 4 rows, a single
+    micro-batch where 2 are accumulated: on 1 process, on 1 with accumulation 2, on 2 processes under each launcher,
+    sharded, and with accumulation under torchrun; checkpoints every 2 steps."""
+    flags = [*FLAGS, "--symmetric", "--num_train_epochs", "1", "--checkpointing_steps", "2"]
     outs = {name: tmp_path_factory.mktemp("embed") / name
-            for name in ("one", "accumulation", "accelerate", "torchrun", "fsdp")}
+            for name in ("one", "accumulation", "accelerate", "torchrun", "fsdp", "torchrun_accumulation")}
     model = tiny_bert_without_dropout
     run_on("embed", model, pair_files, outs["one"], *flags, "--per_device_train_batch_size", "8")
     run_on("embed", model, pair_files, outs["accumulation"], *flags, "--per_device_train_batch_size", "4",
@@ -264,6 +265,8 @@ def parity_runs(pair_files, tiny_bert_without_dropout, tmp_path_factory) -> dict
                                     ("fsdp", "torchrun", ["--fsdp"])):
         run_on("embed", model, pair_files, outs[name], *flags, *sharded, "--per_device_train_batch_size", "4",
                launcher=launcher, processes=2)
+    run_on("embed", model, pair_files, outs["torchrun_accumulation"], *flags, "--per_device_train_batch_size", "2",
+           "--gradient_accumulation_steps", "2", launcher="torchrun", processes=2)
     return outs
 
 
@@ -272,10 +275,10 @@ def parity_runs(pair_files, tiny_bert_without_dropout, tmp_path_factory) -> dict
 def test_one_process_two_and_accumulation_train_the_same_global_batch_loss_under_both_launchers_and_sharded(
         parity_runs):
     reference = log_history(parity_runs["one"])
-    assert [h["step"] for h in reference] == [1, 2, 3, 4] and reference[0]["loss"] > 0.1
-    for name in ("accumulation", "accelerate", "torchrun", "fsdp"):
+    assert [h["step"] for h in reference] == [1, 2, 3, 4, 5, 6] and reference[0]["loss"] > 0.1
+    for name in ("accumulation", "accelerate", "torchrun", "fsdp", "torchrun_accumulation"):
         history = log_history(parity_runs[name])
-        assert [h["step"] for h in history] == [1, 2, 3, 4]
+        assert [h["step"] for h in history] == [1, 2, 3, 4, 5, 6], name
         for ours, theirs in zip(history, reference, strict=True):
             assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5), (name, ours, theirs)
             assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (name, ours, theirs)
@@ -292,12 +295,12 @@ def test_one_process_two_and_accumulation_train_the_same_global_batch_loss_under
 def test_a_run_resumed_from_its_checkpoint_trains_as_the_uninterrupted_one(parity_runs, pair_files,
                                                                            tiny_bert_without_dropout, tmp_path):
     out = tmp_path / "resumed"
-    run_on("embed", tiny_bert_without_dropout, pair_files, out, *FLAGS, "--symmetric", "--max_train_steps", "4",
+    run_on("embed", tiny_bert_without_dropout, pair_files, out, *FLAGS, "--symmetric", "--num_train_epochs", "1",
            "--per_device_train_batch_size", "4", "--checkpointing_steps", "2",
            "--resume_from_checkpoint", str(parity_runs["torchrun"] / "checkpoints" / "step_2"),
            launcher="torchrun", processes=2)
     history = log_history(out)
-    assert [h["step"] for h in history] == [3, 4]
+    assert [h["step"] for h in history] == [3, 4, 5, 6]
     for ours, theirs in zip(history, log_history(parity_runs["torchrun"])[2:], strict=True):
         assert (ours["loss"], ours["grad_norm"]) == (theirs["loss"], theirs["grad_norm"])
     assert max_weight_diff(out, parity_runs["torchrun"]) == 0

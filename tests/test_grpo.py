@@ -371,11 +371,12 @@ def rewards(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def parity_runs(tiny_chat_model_with_distinct_replies, rewards, tmp_path_factory) -> dict[str, Path]:
     """4 steps of 8 completions (2 prompts x 4) with two passes over each rollout and a KL term: on 1 process, on 1
-    with accumulation 2, on 2 processes under each launcher, and sharded (``--fsdp``); checkpoints every 2 steps."""
+    with accumulation 2, on 2 processes under each launcher, sharded (``--fsdp``), and with accumulation under
+    torchrun; checkpoints every 2 steps."""
     flags = [*FLAGS, "--reward_funcs", f"{rewards}:distinct", "--num_iterations", "2", "--beta", "0.04",
              "--max_train_steps", "4", "--checkpointing_steps", "2"]
     outs = {name: tmp_path_factory.mktemp("grpo") / name
-            for name in ("one", "accumulation", "accelerate", "torchrun", "fsdp")}
+            for name in ("one", "accumulation", "accelerate", "torchrun", "fsdp", "torchrun_accumulation")}
     model = tiny_chat_model_with_distinct_replies
     run_on("grpo", model, [], outs["one"], *flags, "--per_device_train_batch_size", "8")
     run_on("grpo", model, [], outs["accumulation"], *flags, "--per_device_train_batch_size", "4",
@@ -384,6 +385,10 @@ def parity_runs(tiny_chat_model_with_distinct_replies, rewards, tmp_path_factory
                                     ("fsdp", "torchrun", ["--fsdp"])):
         run_on("grpo", model, [], outs[name], *flags, *sharded, "--per_device_train_batch_size", "4",
                launcher=launcher, processes=2)
+    # (the raw runtime takes each window whole from the loader before it trains, so only the plan says where a
+    # window ends)
+    run_on("grpo", model, [], outs["torchrun_accumulation"], *flags, "--per_device_train_batch_size", "2",
+           "--gradient_accumulation_steps", "2", launcher="torchrun", processes=2)
     return outs
 
 
@@ -398,9 +403,9 @@ def test_one_process_two_and_accumulation_sample_score_and_train_alike_under_bot
     assert 0 <= reference[0]["frac_reward_zero_std"] < 1 and reference[0]["reward_std"] > 0
     assert reference[1]["clip_ratio/region"] >= 0 and reference[1]["kl"] > 0 and reference[0]["kl"] == 0
     adapter = load_file(parity_runs["one"] / "adapter_model.safetensors")
-    for name in ("accumulation", "accelerate", "torchrun", "fsdp"):
+    for name in ("accumulation", "accelerate", "torchrun", "fsdp", "torchrun_accumulation"):
         history = log_history(parity_runs[name])
-        assert [h["step"] for h in history] == [1, 2, 3, 4]
+        assert [h["step"] for h in history] == [1, 2, 3, 4], name
         for ours, theirs in zip(history, reference, strict=True):
             assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (name, ours, theirs)
             # (a first pass's loss is the mean advantage per token, 0 up to rounding where completions are as long)

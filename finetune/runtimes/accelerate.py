@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -119,8 +120,12 @@ class AccelerateRuntime(Runtime):
             return self.accelerator.skip_first_batches(train_loader, skip_batches)
         return train_loader
 
-    def accumulate(self, model):
-        return self.accelerator.accumulate(model)
+    @contextlib.contextmanager
+    def accumulate(self, model, ends_step):
+        # Accelerate's own accumulate() watches the loader for the epoch's end, which a rollout reaches early.
+        self.accelerator.sync_gradients = ends_step
+        with contextlib.nullcontext() if ends_step else self.accelerator.no_sync(model):
+            yield
 
     @property
     def sync_gradients(self):

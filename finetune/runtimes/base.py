@@ -103,8 +103,10 @@ class Runtime(ABC):
         """Batches of ``epoch`` (its own shuffle), the first ``skip_batches`` left out (resuming)."""
 
     @abstractmethod
-    def accumulate(self, model) -> AbstractContextManager:
-        """Context for one micro-step: gradients are all-reduced only on the last of a window."""
+    def accumulate(self, model, ends_step: bool) -> AbstractContextManager:
+        """Context for one micro-step, the last before an optimizer step where ``ends_step`` (the loop counts them;
+        the loader's position cannot say, as a rollout takes a whole window from it before it trains): gradients
+        are all-reduced only then."""
 
     @property
     @abstractmethod

@@ -57,13 +57,12 @@ class _OrderedEval:
 class DDPRuntime(Runtime):
     name = "ddp"
 
-    def __init__(self, *, mixed_precision: str | None, gradient_accumulation_steps: int, seed: int,
-                 backend: str | None, ddp_timeout: timedelta, tracking: TrackerSettings | None):
+    def __init__(self, *, mixed_precision: str | None, seed: int, backend: str | None, ddp_timeout: timedelta,
+                 tracking: TrackerSettings | None):
         if mixed_precision == "fp16":
             raise UserError("--mixed_precision fp16 needs a gradient scaler; use bf16, or --runtime accelerate")
         self.info = init_distributed(backend, ddp_timeout)
         self.world_size, self.rank, self.device = self.info.world_size, self.info.rank, self.info.device
-        self.accumulation_steps = gradient_accumulation_steps
         self.seed = seed
         self.bf16 = mixed_precision == "bf16"
         self._sync = True
@@ -98,13 +97,12 @@ class DDPRuntime(Runtime):
 
     def epoch_batches(self, train_loader, epoch, skip_batches=0):
         self.train_sampler.set_epoch(epoch, skip_batches)  # the skipped batches are never fetched
-        total = self.train_sampler.batches_per_rank
-        for index, batch in enumerate(train_loader, start=skip_batches):
-            self._sync = (index + 1) % self.accumulation_steps == 0 or index + 1 == total
+        for batch in train_loader:
             yield self._to_device(batch)
 
-    def accumulate(self, model):
+    def accumulate(self, model, ends_step):
         # Skip DDP's gradient all-reduce on every micro-step but the window's last.
+        self._sync = ends_step
         if self._sync or not isinstance(model, DistributedDataParallel):
             return contextlib.nullcontext()
         return model.no_sync()

@@ -42,9 +42,10 @@ class FSDPRuntime(DDPRuntime):
         self._optimizer, self._scheduler = optimizer, scheduler
         return self._model, optimizer, scheduler, *loaders
 
-    def accumulate(self, model):
+    def accumulate(self, model, ends_step):
         # Without the reduce-scatter, each process keeps adding to its unsharded gradients until the window ends.
-        set_gradient_sync(model, self._sync)
+        self._sync = ends_step
+        set_gradient_sync(model, ends_step)
         return contextlib.nullcontext()
 
     def clip_grad_norm_(self, model, max_norm):

@@ -44,11 +44,11 @@ def make_runtime(cfg: TrainConfig, tracking: TrackerSettings | None) -> Runtime:
         raise UserError("--fsdp shards with the raw torch runtime (torchrun or plain python, --runtime auto or ddp); "
                         "under accelerate launch, pass --config_file accelerate_configs/fsdp.yaml instead (GPUs only)")
     timeout = timedelta(seconds=cfg.ddp_timeout)
-    common = {"mixed_precision": cfg.mixed_precision, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-              "seed": cfg.seed, "tracking": tracking}
+    common = {"mixed_precision": cfg.mixed_precision, "seed": cfg.seed, "tracking": tracking}
     if kind == "ddp":
         return (FSDPRuntime if cfg.fsdp else DDPRuntime)(backend=cfg.ddp_backend, ddp_timeout=timeout, **common)
-    return AccelerateRuntime(ddp_timeout=timeout, project_dir=cfg.output_dir, **common)
+    return AccelerateRuntime(ddp_timeout=timeout, project_dir=cfg.output_dir,
+                             gradient_accumulation_steps=cfg.gradient_accumulation_steps, **common)
 
 
 def launcher_chose_one_thread(env: LaunchEnvironment) -> bool:
