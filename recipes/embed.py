@@ -19,7 +19,6 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 import transformers
 
 from finetune.config import arg
@@ -32,8 +31,15 @@ from finetune.models.lora import add_lora
 from finetune.models.sentence_folder import Pooling, base_pooling, save_sentence_transformer
 from finetune.recipe import run_recipe
 from finetune.task import ModelCardInfo, TaskSetup
-from finetune.tasks.embedding import CachedGradients, Objective, collate_texts, row_embeddings, tokenize_text_rows
-from finetune.tasks.metrics import correlations, retrieval_metrics
+from finetune.tasks.embedding import (
+    CachedGradients,
+    Objective,
+    collate_texts,
+    pair_metrics,
+    pair_predictions,
+    row_embeddings,
+    tokenize_text_rows,
+)
 
 DEFAULTS = {"output_dir": "outputs/embed", "num_train_epochs": 1, "learning_rate": 5e-5}
 """The shared options' defaults for this recipe (sentence-transformers' learning rate)."""
@@ -161,31 +167,11 @@ class EmbedTask:
         return first, second, batch["score"] if self.scored else batch["corpus_id"]
 
     def metrics(self, outputs):
-        first, second, third = outputs
-        if self.scored:
-            cosine = (first * second).sum(-1) / (first.norm(dim=-1) * second.norm(dim=-1))
-            return correlations(cosine.tolist(), third.tolist())
-        return retrieval_metrics(first, *self._corpus(second, third))
+        return pair_metrics(outputs, self.scored)
 
     def write_predictions(self, outputs, output_dir):
-        first, second, third = outputs
         with open(os.path.join(output_dir, "eval_predictions.jsonl"), "w") as f:
-            if self.scored:
-                cosine = (first * second).sum(-1) / (first.norm(dim=-1) * second.norm(dim=-1))
-                f.writelines(json.dumps({"cosine": value}) + "\n" for value in cosine.tolist())
-                return
-            corpus, relevant = self._corpus(second, third)
-            scores = torch.nn.functional.normalize(first, dim=-1) @ torch.nn.functional.normalize(corpus, dim=-1).T
-            for best, right in zip(scores.argmax(-1).tolist(), relevant.tolist(), strict=True):
-                f.write(json.dumps({"retrieved": best, "relevant": right}) + "\n")
-
-    @staticmethod
-    def _corpus(positives, corpus_ids):
-        """The distinct positives (the retrieval corpus, by corpus id) and each row's document in it."""
-        first_rows = {}
-        for row, document in enumerate(corpus_ids.tolist()):
-            first_rows.setdefault(document, row)
-        return positives[[first_rows[d] for d in sorted(first_rows)]], corpus_ids
+            f.writelines(json.dumps(row) + "\n" for row in pair_predictions(outputs, self.scored))
 
     def save(self, model, state_dict, tokenizer, output_dir):
         if self.args.use_lora:  # merged into a fresh copy of the base: the trained model may be sharded

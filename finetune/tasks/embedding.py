@@ -1,5 +1,5 @@
-"""Sentence embeddings: rows of texts tokenized, pooled embeddings, the losses of a whole global batch, and the
-cached-gradient rollout that makes them exact at any world size and accumulation.
+"""Sentence embeddings: rows of texts tokenized, pooled embeddings, the losses of a whole global batch, the
+cached-gradient rollout that makes them exact at any world size and accumulation, and evaluation's metrics.
 
 Each anchor is scored against every positive of the global batch, so a micro-batch cannot take a loss of its own.
 Each window (an optimizer step's micro-batches) is embedded first without gradients on every process; the
@@ -21,8 +21,10 @@ from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.distributed.ddp import all_gather_rows, world_size
 from finetune.errors import UserError
 from finetune.models.sentence_folder import Pooling
+from finetune.tasks.metrics import correlations, retrieval_metrics
 
-__all__ = ["LOSSES", "Objective", "CachedGradients", "collate_texts", "embed", "tokenize_text_rows"]
+__all__ = ["LOSSES", "CachedGradients", "Objective", "collate_texts", "embed", "pair_metrics", "pair_predictions",
+           "row_embeddings", "tokenize_text_rows"]
 
 LOSSES = ("multiple_negatives_ranking", "cosent", "triplet")
 
@@ -140,6 +142,35 @@ def tokenize_text_rows(split: datasets.Dataset, tokenizer, columns: list[str], s
     if corpus_ids is not None:
         features["corpus_id"] = datasets.Value("int32")
     return tokenizing.map(split, encode, name, features)
+
+
+def pair_metrics(outputs: tuple, scored: bool) -> dict[str, float]:
+    """Evaluation's metrics from every validation pair's embeddings and its score (``scored``) or corpus id:
+    Pearson's and Spearman's correlations of cosine similarity with the score, or each anchor's positive retrieved
+    among the distinct positives."""
+    first, second, third = outputs
+    if scored:
+        return correlations(F.cosine_similarity(first, second, dim=-1).tolist(), third.tolist())
+    return retrieval_metrics(first, *_corpus(second, third))
+
+
+def pair_predictions(outputs: tuple, scored: bool) -> list[dict]:
+    """Each validation pair's cosine similarity, or the corpus id its anchor retrieves beside the relevant one."""
+    first, second, third = outputs
+    if scored:
+        return [{"cosine": value} for value in F.cosine_similarity(first, second, dim=-1).tolist()]
+    corpus, relevant = _corpus(second, third)
+    retrieved = (F.normalize(first, dim=-1) @ F.normalize(corpus, dim=-1).T).argmax(-1)
+    return [{"retrieved": best, "relevant": right} for best, right in zip(retrieved.tolist(), relevant.tolist(),
+                                                                          strict=True)]
+
+
+def _corpus(positives: torch.Tensor, corpus_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct positives (the retrieval corpus, in corpus id order) and each row's document in it."""
+    first_rows: dict[int, int] = {}
+    for row, document in enumerate(corpus_ids.tolist()):
+        first_rows.setdefault(document, row)
+    return positives[[first_rows[d] for d in sorted(first_rows)]], corpus_ids
 
 
 class CachedGradients:
