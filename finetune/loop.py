@@ -41,6 +41,7 @@ from finetune.checkpointing.checkpoint import (
     resumed_progress,
     write_final_model,
 )
+from finetune.checkpointing.files import replacing
 from finetune.checkpointing.guard import CheckpointGuard
 from finetune.checkpointing.preemption import StopSignals
 from finetune.config import TrainConfig
@@ -454,9 +455,8 @@ def _save(runtime: Runtime, task: Task, cfg: TrainConfig, model, tokenizer, data
 
 def _write_json(path: Path, values: dict) -> None:
     # A new file renamed over the old, never the old rewritten: a push still running holds the old one's hard link.
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(values, indent=2))
-    partial.replace(path)
+    with replacing(path) as partial:
+        partial.write_text(json.dumps(values, indent=2))
 
 
 def _log_interval(runtime: Runtime, output_dir: str, logs: dict[str, float], step: int) -> None:

@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from finetune import __version__
+from finetune.checkpointing.files import fsync_directory, replacing
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 
@@ -51,7 +52,6 @@ __all__ = [
     "disk_write_failure",
     "find_latest_checkpoint",
     "frozen_weights_digest",
-    "fsync_directory",
     "launch_id",
     "load_state_dict_unwrapped",
     "output_dir_lock",
@@ -399,9 +399,8 @@ def clear_output_dir(output_dir: str, progress: Progress, overwrite: bool, run_f
             (Path(output_dir) / name).unlink(missing_ok=True)
     elif log.is_file():
         lines = log.read_text().splitlines(keepends=True)
-        partial = log.with_name(LOG_HISTORY + ".partial")
-        partial.write_text("".join(line for line in lines if _logged_step(line) <= progress.global_step))
-        partial.replace(log)
+        with replacing(log) as partial:
+            partial.write_text("".join(line for line in lines if _logged_step(line) <= progress.global_step))
 
 
 def _logged_step(line: str) -> float:
@@ -557,21 +556,8 @@ def _saved_files(output: Path) -> list[str]:
 
 
 def _write_saved_files(output: Path, names: list[str]) -> None:
-    partial = output / (SAVED_FILES + ".partial")
-    with open(partial, "w") as f:
-        json.dump(names, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    partial.replace(output / SAVED_FILES)
-
-
-def fsync_directory(path: Path) -> None:
-    """Make a rename inside ``path`` durable."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    with replacing(output / SAVED_FILES, durable=True) as partial:
+        partial.write_text(json.dumps(names, indent=2))
 
 
 def load_state_dict_unwrapped(path: str | os.PathLike) -> dict[str, torch.Tensor]:

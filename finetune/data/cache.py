@@ -41,7 +41,7 @@ import datasets
 import filelock
 import xxhash
 
-from finetune.checkpointing.checkpoint import fsync_directory
+from finetune.checkpointing.files import fsync_directory
 from finetune.data.batching import LENGTH, LOSS_UNITS
 from finetune.data.sources import file_digest
 from finetune.environment import LaunchEnvironment

@@ -10,13 +10,13 @@ trains; its norms are stored as llama.cpp multiplies them, ``1 + w``). docs/expo
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from finetune.checkpointing.files import replacing
 from finetune.errors import UserError
 
 __all__ = ["ARCHITECTURES", "QUANTS", "architecture_of", "vocabulary", "write_gguf"]
@@ -118,9 +118,8 @@ def write_gguf(trained, path: Path, quant: str) -> None:
     model, config = trained.model, trained.model.config
     architecture = architecture_of(config)
     vocab = vocabulary(trained.tokenizer, config, trained.folder)
-    partial = path.with_name(path.name + ".partial")
-    writer = gguf.GGUFWriter(partial, architecture.name)
-    try:
+    with replacing(path) as partial:
+        writer = gguf.GGUFWriter(partial, architecture.name)
         writer.add_type(gguf.GGUFType.MODEL)
         writer.add_name(Path(getattr(config, "name_or_path", "") or trained.folder.name).name)
         architecture.hyperparameters(config, writer)
@@ -141,9 +140,6 @@ def write_gguf(trained, path: Path, quant: str) -> None:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def _quantized(weights: np.ndarray, quant: str) -> tuple[np.ndarray, tuple, object]:

@@ -3,8 +3,9 @@ the dtype asked, ``generation_config.json`` stopping at the end of turn."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
+
+from finetune.checkpointing.files import replacing
 
 __all__ = ["write_merged"]
 
@@ -16,11 +17,6 @@ def write_merged(trained, folder: Path, dtype: str) -> None:
 
     model = trained.model.to(getattr(torch, dtype))
     model.generation_config.eos_token_id = trained.stops
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
+    with replacing(folder) as partial:
         model.save_pretrained(partial)
         trained.tokenizer.save_pretrained(partial)
-        partial.rename(folder)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 from huggingface_hub import constants
 
+from finetune.checkpointing.files import replacing
 from finetune.errors import UserError
 
 __all__ = ["chat_model_folder", "default_chat_model_path", "default_model_path", "dequantized_gguf_folder",
@@ -64,11 +64,9 @@ def dequantized_gguf_folder(gguf_file: Path, folder: Path, name_or_path: str) ->
             model.hf_quantizer, model.is_quantized = None, False
             del model.config.quantization_config
             model.config.name_or_path = name_or_path
-            staging = folder.with_name(folder.name + ".partial")
-            shutil.rmtree(staging, ignore_errors=True)
-            model.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            staging.rename(folder)
+            with replacing(folder) as staging:
+                model.save_pretrained(staging)
+                tokenizer.save_pretrained(staging)
     return folder
 
 

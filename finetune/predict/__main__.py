@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+from finetune.checkpointing.files import replacing
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError, run_main
 from finetune.predict.generation import Sampling
@@ -73,11 +74,9 @@ def main(argv: list[str] | None = None) -> None:
                   desc=f"predicting ({plan.kind})") as progress:
             results = predict_shared(rows, lambda mine: predictor(mine, sampling, progress), env)
         if env.rank == 0:
-            partial = output.with_name(output.name + ".partial")
-            with open(partial, "w") as f:
+            with replacing(output) as partial, open(partial, "w") as f:
                 for row, result in zip(rows, results, strict=True):
                     f.write(json.dumps({**row, **result}, ensure_ascii=False, default=str) + "\n")
-            os.replace(partial, output)
             print(f"wrote {len(rows)} {plan.kind} predictions to {output}")
     finally:
         if dist.is_initialized():

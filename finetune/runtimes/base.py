@@ -29,11 +29,11 @@ from finetune.checkpointing.checkpoint import (
     Progress,
     checkpoint_path,
     disk_write_failure,
-    fsync_directory,
     prune_checkpoints,
     write_manifest,
     write_progress,
 )
+from finetune.checkpointing.files import fsync_directory
 from finetune.data.batching import GlobalBatchSampler
 from finetune.distributed.fsdp import MODEL_FOLDER
 from finetune.errors import Stopped, UserError

@@ -23,7 +23,6 @@ import hashlib
 import itertools
 import json
 import math
-import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ import datasets
 import numpy as np
 import torch
 
-from finetune.checkpointing.checkpoint import fsync_directory
+from finetune.checkpointing.files import replacing
 from finetune.config import arg
 from finetune.data.batching import LENGTH, LOSS_UNITS, GlobalBatchSampler, PlannedBatch
 from finetune.data.cache import TOKEN_IDS, Tokenizing
@@ -467,12 +466,8 @@ class Rollouts:
         """Keep the rollout until its last pass: a run resumed between two passes trains on it, not on a new one."""
         kept = [({name: value.cpu() for name, value in batch.items()}, list(planned), vars(planned))
                 for batch, planned in micro_batches]
-        partial = self.kept.with_name(self.kept.name + ".partial")
-        torch.save({"key": key, "micro_batches": kept}, partial)
-        with open(partial, "rb") as written:  # on disk before the checkpoint that relies on it
-            os.fsync(written.fileno())
-        partial.replace(self.kept)
-        fsync_directory(self.kept.parent)
+        with replacing(self.kept, durable=True) as partial:  # on disk before the checkpoint that relies on it
+            torch.save({"key": key, "micro_batches": kept}, partial)
 
     def _kept_rollout(self, key: list, device: torch.device) -> list[tuple[dict, PlannedBatch]] | None:
         """The rollout a run resumed between two passes over it trains on, if this process kept it; else None (the

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from finetune.checkpointing.checkpoint import tensors_digest
+from finetune.checkpointing.files import replacing
 from finetune.data.batching import LENGTH, LOSS_UNITS
 from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.distributed.ddp import all_gather_padded, all_reduce_max, unwrap
@@ -455,8 +456,7 @@ def precomputed_reference(reference: Reference, policy, pairs, collate, batch_si
     gathered = torch.stack(all_gather_padded(in_order))
     table = gathered.transpose(0, 1).reshape(-1, 2)[:len(pairs)]
     if rank == 0:
-        partial = path.with_name(path.name + ".partial")
-        save_file({"log_probs": table.cpu().contiguous(), "key": torch.tensor(list(key.encode()), dtype=torch.uint8)},
-                  str(partial))
-        os.replace(partial, path)
+        with replacing(path) as partial:
+            save_file({"log_probs": table.cpu().contiguous(),
+                       "key": torch.tensor(list(key.encode()), dtype=torch.uint8)}, str(partial))
     return table
