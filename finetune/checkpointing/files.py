@@ -1,5 +1,6 @@
 """Files and folders written whole or not at all: into ``NAME.partial`` beside their final name, then renamed over
-it, so that a reader (a push in flight, a resumed run, a user) finds the old one or the new one, never half of one."""
+it, so that a reader (a push in flight, a resumed run, a user) finds the old one or the new one, never half of one;
+and a new output checked before the work that makes it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,22 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["fsync_directory", "replacing"]
+from finetune.errors import UserError
+
+__all__ = ["check_new_output", "fsync_directory", "replacing"]
+
+
+def check_new_output(path: Path, flag: str) -> None:
+    """Refuse to write ``path`` (named by ``flag``) over what is there, or into a folder that is missing or not
+    this user's to write.
+
+    Raises:
+        UserError: either, in one line.
+    """
+    if path.exists():
+        raise UserError(f"{flag} {path} exists: remove it or give another")
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise UserError(f"{flag} {path}: {path.parent} is not a folder this user can write")
 
 
 @contextlib.contextmanager

@@ -8,11 +8,11 @@ Modelfile) or as a full Hugging Face folder.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-from finetune.errors import UserError, run_main
+from finetune.checkpointing.files import check_new_output
+from finetune.errors import run_main
 from finetune.export.gguf_file import QUANTS, architecture_of, vocabulary, write_gguf
 from finetune.export.merged import write_merged
 from finetune.export.ollama import write_modelfile
@@ -42,10 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         architecture_of(config)
     out = args.out or (folder / f"{folder.resolve().name}-{args.quant}.gguf" if args.to == "gguf"
                        else folder / "merged")
-    if out.exists():
-        raise UserError(f"{out} exists: remove it or give --out")
-    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
-        raise UserError(f"{out.parent} is not a folder this user can write: give --out")
+    check_new_output(out, "--out")
     if args.to == "gguf":
         vocabulary(from_pretrained(AutoTokenizer, str(folder)), config, folder)
     trained = load_trained(folder, args.base_model)

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
-from finetune.checkpointing.files import replacing
+from finetune.checkpointing.files import check_new_output, replacing
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError, run_main
 from finetune.predict.generation import Sampling
@@ -54,10 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     env = LaunchEnvironment.read()
     output = args.output or args.output_dir / "predictions.jsonl"
-    if output.exists():
-        raise UserError(f"--output {output} exists: remove it or give another")
-    if not output.parent.is_dir() or not os.access(output.parent, os.W_OK):
-        raise UserError(f"--output {output}: {output.parent} is not a folder this user can write")
+    check_new_output(output, "--output")
     columns = tuple(c for c in (args.text_column, args.text_pair_column) if c)
     if args.text_pair_column and not args.text_column:
         columns = ("text", args.text_pair_column)
