@@ -268,3 +268,20 @@ def test_grpo_with_lora_in_bf16_samples_on_the_gpu_and_trains(tmp_path):
     assert all(h["completions/mean_length"] > 0 and h["reward_failures/routing_reward"] == 0 for h in history)
     assert len(read_jsonl(out / "eval_generations.jsonl")) == 47
     assert (out / "adapter_model.safetensors").is_file()
+
+
+CPU_DEFAULT_MRR = 0.912
+"""The embedding recipe's default run's held-out MRR@10 on the CPU (README, Recipes)."""
+
+
+def test_the_embedding_default_run_caches_gradients_on_the_gpu_and_retrieves_as_on_the_cpu(tmp_path):
+    """The embedding recipe's default global batch (32) as 16 x accumulation 2: the cached-gradient path, each
+    micro-batch's second pass replaying its CUDA random state, in bf16. Dropout's masks and bf16 differ from the CPU
+    run, so its held-out MRR@10 is close to the CPU's, not equal."""
+    out = tmp_path / "out"
+    result = run(accelerate_cmd("--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "2",
+                                "--output_dir", str(out), **ONE_GPU, script=recipe_path("embed")), timeout=600)
+    assert "process(es) on cuda" in result.stdout
+    history = log_history(out)
+    assert history[-1]["step"] == 75 and all(math.isfinite(h["loss"]) for h in history)
+    assert abs(read_results(out)["eval_mrr@10"] - CPU_DEFAULT_MRR) <= 0.03
