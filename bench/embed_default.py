@@ -25,16 +25,16 @@ sys.path.insert(0, str(REPO))
 
 from finetune.data.embedded.support_answers import make_support_answers  # noqa: E402
 from finetune.models.loading import default_model_path  # noqa: E402
+from finetune.tasks.embedding import corpus_ids  # noqa: E402
 from finetune.tasks.metrics import retrieval_metrics  # noqa: E402
 
 
 def held_out_retrieval(model, anchors: list[str], positives: list[str]) -> dict[str, float]:
     """Each anchor's positive ranked among the distinct positives, embedded by a ``SentenceTransformer``'s own
     ``encode``, scored by the recipe's metric function."""
-    documents: dict[str, int] = {}
-    relevant = [documents.setdefault(text, len(documents)) for text in positives]
+    relevant = corpus_ids(positives)
     queries = model.encode(anchors, convert_to_tensor=True).cpu()
-    corpus = model.encode(list(documents), convert_to_tensor=True).cpu()
+    corpus = model.encode(list(dict.fromkeys(positives)), convert_to_tensor=True).cpu()
     return retrieval_metrics(queries, corpus, torch.tensor(relevant))
 
 

@@ -152,14 +152,14 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         evaluation = Evaluation(runtime, task, model, eval_loader, before_batch=guard.stop_if_signalled)
         if getattr(task, "evaluate_first", False) and progress.global_step == 0:
             metrics, _ = evaluation.at(0)  # the model before training, logged as step 0 to compare against
-            runtime.print("before training: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            runtime.print(f"before training: {_described(metrics)}")
         epochs = Epochs(runtime, task, cfg, model, optimizer, scheduler, sampler, train_loader, progress, guard,
                         evaluation, progress_bar, schedule.max_steps,
                         TrainingMeter(runtime.device, runtime.reduce_sum, getattr(task, "logged_figures", ())))
         for epoch in range(progress.epoch, schedule.num_epochs):
             epochs.run(epoch)
             metrics, _ = evaluation.at(progress.global_step)  # --eval_steps may have just evaluated this model
-            runtime.print(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            runtime.print(f"epoch {epoch}: {_described(metrics)}")
             if progress.global_step >= schedule.max_steps:
                 break
         progress_bar.close()
@@ -290,6 +290,11 @@ class Epochs:
         if cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0:
             self.guard.checkpoint()
         self.guard.stop_if_signalled()
+
+
+def _described(metrics: dict[str, float]) -> str:
+    """Metrics for a printed line: ``eval_accuracy 0.9630, eval_loss 0.1234``."""
+    return ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
 
 
 def _rolled_out(batches, rollout: Callable[[list], list]):

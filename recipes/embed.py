@@ -24,10 +24,10 @@ import transformers
 from finetune.config import arg
 from finetune.data.batching import TokenizedDataset
 from finetune.data.embedded.support_answers import SUPPORT_ANSWERS
-from finetune.data.sources import check_columns, load_splits
+from finetune.data.sources import load_splits
 from finetune.errors import UserError, run_main
 from finetune.models.loading import default_model_path, load_encoder_tokenizer, load_model
-from finetune.models.lora import add_lora
+from finetune.models.lora import LoraArguments, add_lora
 from finetune.models.sentence_folder import Pooling, base_pooling, save_sentence_transformer
 from finetune.recipe import run_recipe
 from finetune.task import ModelCardInfo, TaskSetup
@@ -38,7 +38,7 @@ from finetune.tasks.embedding import (
     pair_metrics,
     pair_predictions,
     row_embeddings,
-    tokenize_text_rows,
+    tokenize_pairs,
 )
 
 DEFAULTS = {"output_dir": "outputs/embed", "num_train_epochs": 1, "learning_rate": 5e-5}
@@ -46,7 +46,7 @@ DEFAULTS = {"output_dir": "outputs/embed", "num_train_epochs": 1, "learning_rate
 
 
 @dataclass
-class EmbedArguments:
+class EmbedArguments(LoraArguments):
     loss: Literal["multiple_negatives_ranking", "cosent", "triplet"] = arg(
         "multiple_negatives_ranking", "multiple_negatives_ranking: each anchor's positive against every positive and "
         "hard negative of the global batch (InfoNCE); cosent: scored pairs, every pair ranked below the pairs scored "
@@ -67,15 +67,9 @@ class EmbedArguments:
                                        "the default MiniLM), else off.")
 
     use_lora: bool = arg(False, "Train LoRA adapters only (the saved folder has them merged in).")
-    lora_r: int = arg(16, "LoRA rank.")
-    lora_alpha: int = arg(32, "LoRA scaling numerator (the update is scaled by alpha / r).")
-    lora_dropout: float = arg(0.05, "Dropout on the LoRA input.")
-    lora_target_modules: str = arg("all-linear", "Comma-separated module names to adapt, or all-linear.")
 
     def __post_init__(self):
-        if self.use_lora and (self.lora_r < 1 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1):
-            raise UserError(f"--lora_r {self.lora_r} --lora_alpha {self.lora_alpha} --lora_dropout "
-                            f"{self.lora_dropout}: give a rank of at least 1, a positive alpha and a dropout in [0, 1)")
+        self.check_lora()
         if not self.scale > 0:
             raise UserError(f"--scale {self.scale}: give a positive scale (20 is sentence-transformers' default)")
         wanted = {"triplet": 3, "cosent": 2}.get(self.loss)
@@ -109,23 +103,8 @@ class EmbedTask:
                 "max_seq_length": cfg.max_seq_length}
 
     def tokenize(self, raw, tokenizer, cfg, tokenizing):
-        columns = self.args.columns or (["sentence1", "sentence2"] if self.scored else ["anchor", "positive"] + sorted(
-            c for c in raw["train"].column_names if c.startswith("negative")))
-        if self.args.loss == "triplet" and len(columns) != 3:
-            raise UserError(f"--loss triplet needs an anchor, a positive and a negative column; the data has "
-                            f"{', '.join(raw['train'].column_names)} (name them with --columns)")
-        score = self.args.score_column if self.scored else None
-        scores = [score] if score else []  # evaluation reads the first two texts only
-        raw = check_columns(raw, columns + scores, "--columns/--score_column", columns[:2] + scores)
-        if len(raw["train"]) < 2:
-            raise UserError(f"the training data has {len(raw['train'])} row; a contrastive loss needs at least 2")
-        corpus_ids = None
-        if not self.scored:  # each distinct positive text is one document of the retrieval corpus
-            documents: dict[str, int] = {}
-            corpus_ids = [documents.setdefault(text, len(documents)) for text in raw["validation"][columns[1]]]
-        tokenize_text_rows(raw["train"], tokenizer, columns, score, cfg.max_seq_length, "train", tokenizing)
-        tokenize_text_rows(raw["validation"], tokenizer, columns[:2], score, cfg.max_seq_length, "validation",
-                           tokenizing, corpus_ids)
+        columns = tokenize_pairs(raw, tokenizer, self.args.loss, self.args.columns, self.args.score_column,
+                                 cfg.max_seq_length, tokenizing)
         return {"columns": columns}
 
     def setup(self, cfg, tokenizer, data):

@@ -113,7 +113,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def all_gather_padded(tensor: torch.Tensor, pad_index: int = -100) -> list[torch.Tensor]:
     """Every process's ``tensor``, in rank order; a second dimension that differs between processes is
     padded with ``pad_index`` to the longest (token-level outputs of batches padded per process)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return [tensor]
     tensor = tensor.contiguous()
     if tensor.dim() > 1:
@@ -132,7 +132,7 @@ def world_size() -> int:
 def all_gather_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Every process's rows of ``tensor`` concatenated in rank order (processes may hold different numbers of
     rows), and where this process's first row is in the result."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return tensor, 0
     counts = [int(n) for n in all_gather_padded(torch.tensor([len(tensor)], device=tensor.device))]
     padded = torch.zeros((max(counts), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)

@@ -1,17 +1,41 @@
-"""LoRA adapters through peft: adding them to a model, and saving the adapter (and, if asked, a merged model)."""
+"""LoRA adapters through peft: their options, adding them to a model, and saving the adapter (and, if asked, a
+merged model)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from finetune.checkpointing.checkpoint import save_model
+from finetune.config import arg
 from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
 from finetune.models.memory import dequantize_into, is_four_bit
 
-__all__ = ["DropoutLinear", "add_lora", "save_adapter"]
+__all__ = ["DropoutLinear", "LoraArguments", "add_lora", "save_adapter"]
+
+
+@dataclass
+class LoraArguments:
+    """The adapters' options, for a recipe's dataclass to inherit (with its own ``use_lora``) and check in its
+    ``__post_init__`` (``check_lora``)."""
+
+    lora_r: int = arg(16, "LoRA rank.")
+    lora_alpha: int = arg(32, "LoRA scaling numerator (the update is scaled by alpha / r).")
+    lora_dropout: float = arg(0.05, "Dropout on the LoRA input.")
+    lora_target_modules: str = arg("all-linear", "Comma-separated module names to adapt, or all-linear.")
+
+    def check_lora(self) -> None:
+        """Raises ``UserError`` for an option no adapter can train with."""
+        if self.lora_r < 1:
+            raise UserError(f"--lora_r is {self.lora_r}; the rank of an adapter is a positive whole number")
+        if self.lora_alpha <= 0:
+            raise UserError(f"--lora_alpha is {self.lora_alpha}; it scales the adapter's update by alpha / r, so "
+                            "give a positive number (an alpha of 0 trains an adapter that changes nothing)")
+        if not 0 <= self.lora_dropout < 1:
+            raise UserError(f"--lora_dropout is {self.lora_dropout}; give the share of inputs dropped, in [0, 1)")
 
 
 class _DroppedProjection(torch.autograd.Function):

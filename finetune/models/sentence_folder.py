@@ -10,9 +10,8 @@ from pathlib import Path
 
 from finetune.checkpointing.checkpoint import save_model
 
-__all__ = ["POOLINGS", "Pooling", "base_pooling", "save_sentence_transformer"]
+__all__ = ["Pooling", "base_pooling", "save_sentence_transformer"]
 
-POOLINGS = ("mean", "cls", "lasttoken")
 _MODES = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
           "lasttoken": "pooling_mode_lasttoken"}
 _MODULE = "sentence_transformers.models."
@@ -21,7 +20,7 @@ _MODULE = "sentence_transformers.models."
 @dataclass(frozen=True)
 class Pooling:
     mode: str
-    """One of ``POOLINGS``: the mean of the text's tokens, its first token, or its last (decoder embedders)."""
+    """``mean`` of the text's tokens, its first (``cls``), or its last (``lasttoken``, decoder embedders)."""
     normalize: bool
     """Embeddings scaled to unit length (a ``Normalize`` module after the pooling)."""
 

@@ -4,6 +4,7 @@ reads the columns its recipe trains on, and predicts a list of rows at a time in
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,17 +89,24 @@ class Predictor:
                 for kind, first, last in spans]})
         return results
 
+    @functools.cached_property
+    def _embedding(self) -> tuple:
+        """The folder's pooling and the length it cuts texts at, read once."""
+        from finetune.models.sentence_folder import base_pooling
+
+        limit = json.loads((self.plan.folder / "sentence_bert_config.json").read_text())["max_seq_length"]
+        return base_pooling(self.plan.folder), limit
+
     def _embed(self, rows: list[dict], sampling) -> list[dict]:
         import torch
 
-        from finetune.models.sentence_folder import base_pooling
         from finetune.tasks.embedding import embed
 
-        limit = json.loads((self.plan.folder / "sentence_bert_config.json").read_text())["max_seq_length"]
+        pooling, limit = self._embedding
         batch = self.tokenizer([row[self.plan.columns[0]] for row in rows], truncation=True, max_length=limit,
                                padding=True, return_tensors="pt").to(self.model.device)
         with torch.no_grad():
-            vectors = embed(self.model, batch["input_ids"], batch["attention_mask"], base_pooling(self.plan.folder))
+            vectors = embed(self.model, batch["input_ids"], batch["attention_mask"], pooling)
         return [{"embedding": vector} for vector in vectors.tolist()]
 
     def _chat(self, rows: list[dict], sampling) -> list[dict]:

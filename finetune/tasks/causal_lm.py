@@ -28,7 +28,7 @@ from finetune.distributed.fsdp import is_sharded
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 from finetune.models.loading import default_chat_model_path, from_pretrained
-from finetune.models.lora import add_lora, save_adapter
+from finetune.models.lora import LoraArguments, add_lora, save_adapter
 from finetune.models.memory import four_bit_loading, keep_four_bit_trainable, require_bitsandbytes
 from finetune.task import ModelCardInfo
 from finetune.tasks.chat import IGNORE, end_of_turn_ids, require_chat_template, write_generations
@@ -59,7 +59,7 @@ class CausalLMArguments:
 
 
 @dataclass
-class ChatModelArguments(CausalLMArguments):
+class ChatModelArguments(CausalLMArguments, LoraArguments):
     """Options of the recipes that tune a chat model with LoRA (chat, preference tuning)."""
 
     chat_template: str | None = arg(None, "A Jinja chat template file, for a model that has none.")
@@ -74,10 +74,6 @@ class ChatModelArguments(CausalLMArguments):
                                     "their float32 memory; the adapter trains in float32 on top. LoRA only.")
     bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] | None = arg(
         None, "The dtype the 4-bit layers compute in (default: --mixed_precision's, float32 without).")
-    lora_r: int = arg(16, "LoRA rank.")
-    lora_alpha: int = arg(32, "LoRA scaling numerator (the update is scaled by alpha / r).")
-    lora_dropout: float = arg(0.05, "Dropout on the LoRA input.")
-    lora_target_modules: str = arg("all-linear", "Comma-separated module names to adapt, or all-linear.")
     merge_lora: bool = arg(False, "Also save OUTPUT/merged: the base model with the adapter folded in.")
     eval_generate: int | None = arg(None, "Greedy replies for the first N validation conversations at each "
                                           "evaluation (default: all of the default data's, else none).")
@@ -85,13 +81,7 @@ class ChatModelArguments(CausalLMArguments):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.lora_r < 1:
-            raise UserError(f"--lora_r is {self.lora_r}; the rank of an adapter is a positive whole number")
-        if self.lora_alpha <= 0:
-            raise UserError(f"--lora_alpha is {self.lora_alpha}; it scales the adapter's update by alpha / r, so "
-                            "give a positive number (an alpha of 0 trains an adapter that changes nothing)")
-        if not 0 <= self.lora_dropout < 1:
-            raise UserError(f"--lora_dropout is {self.lora_dropout}; give the share of inputs dropped, in [0, 1)")
+        self.check_lora()
         if self.dtype != "float32" and not self.use_lora:
             raise UserError(f"--dtype {self.dtype} with --no_use_lora would train every weight in {self.dtype}, where "
                             "small updates round away; train in float32 with --mixed_precision bf16, or with LoRA")

@@ -18,16 +18,14 @@ import torch.nn.functional as F
 
 from finetune.data.batching import LENGTH, LOSS_UNITS, PlannedBatch, padded_tokens
 from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
+from finetune.data.sources import check_columns
 from finetune.distributed.ddp import all_gather_rows, world_size
 from finetune.errors import UserError
 from finetune.models.sentence_folder import Pooling
 from finetune.tasks.metrics import correlations, retrieval_metrics
 
-__all__ = ["LOSSES", "CachedGradients", "Objective", "collate_texts", "embed", "pair_metrics", "pair_predictions",
-           "row_embeddings", "tokenize_text_rows"]
-
-LOSSES = ("multiple_negatives_ranking", "cosent", "triplet")
-
+__all__ = ["CachedGradients", "Objective", "collate_texts", "corpus_ids", "embed", "pair_metrics",
+           "pair_predictions", "row_embeddings", "tokenize_pairs", "tokenize_text_rows"]
 
 @dataclass(frozen=True)
 class Objective:
@@ -98,6 +96,38 @@ def collate_texts(pad_token_id: int, keys: tuple[str, ...] = ()):
                 batch[key] = torch.tensor([row[key] for row in rows])
         return batch
     return collate
+
+
+def tokenize_pairs(raw: datasets.DatasetDict, tokenizer, loss: str, columns: list[str], score_column: str,
+                   max_length: int, tokenizing: Tokenizing) -> list[str]:
+    """Both splits' rows tokenized for ``loss`` (``tokenize_text_rows``), the validation split's first two texts
+    only with each row's corpus id (scored pairs: their score); returns the text columns, by default ``anchor``,
+    ``positive`` and every ``negative*`` column (``sentence1``, ``sentence2`` for ``cosent``).
+
+    Raises:
+        UserError: a missing column, a triplet loss without three texts, fewer than 2 training rows, or a bad row.
+    """
+    scored = loss == "cosent"
+    columns = columns or (["sentence1", "sentence2"] if scored else ["anchor", "positive"] + sorted(
+        c for c in raw["train"].column_names if c.startswith("negative")))
+    if loss == "triplet" and len(columns) != 3:
+        raise UserError(f"--loss triplet needs an anchor, a positive and a negative column; the data has "
+                        f"{', '.join(raw['train'].column_names)} (name them with --columns)")
+    score = score_column if scored else None
+    scores = [score] if score else []  # evaluation reads the first two texts only
+    raw = check_columns(raw, columns + scores, "--columns/--score_column", columns[:2] + scores)
+    if len(raw["train"]) < 2:
+        raise UserError(f"the training data has {len(raw['train'])} row; a contrastive loss needs at least 2")
+    tokenize_text_rows(raw["train"], tokenizer, columns, score, max_length, "train", tokenizing)
+    tokenize_text_rows(raw["validation"], tokenizer, columns[:2], score, max_length, "validation", tokenizing,
+                       None if scored else corpus_ids(raw["validation"][columns[1]]))
+    return columns
+
+
+def corpus_ids(positives: list[str]) -> list[int]:
+    """Each positive's document in the retrieval corpus: the distinct texts, numbered in order of first appearance."""
+    documents: dict[str, int] = {}
+    return [documents.setdefault(text, len(documents)) for text in positives]
 
 
 def tokenize_text_rows(split: datasets.Dataset, tokenizer, columns: list[str], score_column: str | None,
