@@ -102,7 +102,7 @@ def specs(path: Path, *names: str) -> list[str]:
 
 
 def worker_processes() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if "finetune.tasks.rewards" in p.cmdline()]
+    return [p for p in psutil.Process().children(recursive=True) if "finetune.tasks.workers" in p.cmdline()]
 
 
 def test_functions_load_by_module_name_and_by_file(rewards, tmp_path, monkeypatch, request):
@@ -176,9 +176,9 @@ def test_the_trainer_checks_specs_without_importing_them_and_only_the_workers_ru
 
 def test_a_module_whose_import_hangs_is_refused_when_the_workers_take_longer_than_the_start_up_allows(
         tmp_path, monkeypatch):
-    from finetune.tasks import rewards
+    from finetune.tasks import workers
 
-    monkeypatch.setattr(rewards, "STARTUP_TIMEOUT", 3.0)
+    monkeypatch.setattr(workers, "STARTUP_TIMEOUT", 3.0)
     module = tmp_path / "slow_import.py"
     module.write_text(IMPORT_SIDE_EFFECT.format(marker=str(tmp_path / "imported"), sleep=3600))
     with pytest.raises(UserError, match=r"a reward worker process did not load .*slow_import\.py:score within 3 s"):
