@@ -26,9 +26,11 @@ from finetune.models.loading import default_chat_model_path
 from finetune.recipe import run_recipe
 from finetune.task import TaskSetup
 from finetune.tasks import causal_lm, grpo, scoring
+from finetune.tasks.episodes import Episodes, EvalEpisodes, response_template
 from finetune.tasks.grpo import GRPOArguments
 from finetune.tasks.preference import Reference, load_causal_lm
 from finetune.tasks.rewards import RewardPool
+from finetune.tasks.tools import ToolPool
 
 DEFAULT_REWARD = "finetune.data.embedded.support_chats:routing_reward"
 DEFAULTS = {"output_dir": "outputs/grpo", "num_train_epochs": 1, "learning_rate": 1e-3,
@@ -44,22 +46,34 @@ class GRPOTask(causal_lm.ChatTask):
     tokenizing_code = ("finetune.tasks.grpo", "finetune.tasks.chat", "finetune.data.sources",
                        "finetune.data.embedded", "finetune.data.embedded.support_chats",
                        "finetune.data.embedded.support_tickets")
-    pool = None
+    pool = tools = episodes = replies = None
+
+    def load_tokenizer(self, cfg):
+        tokenizer = super().load_tokenizer(cfg)
+        if self.args.tools:  # a template without a tool-call format is refused before anything heavy
+            response_template(tokenizer, self.args.template_options)
+        return tokenizer
 
     def load_data(self, cfg):
         if (cfg.train_file or cfg.dataset_name) and self.args.reward_funcs == [DEFAULT_REWARD]:
             raise UserError("your data needs reward functions of its own: give --reward_funcs module:function ... "
                             "(TRL's signature, func(prompts, completions, **columns) -> list of floats)")
+        if self.args.tools and self.tools is None:  # their schemas go into the prompts
+            self.tools = ToolPool(self.args.tools, timeout=self.args.tool_timeout)
         return load_splits(cfg, SUPPORT_PROMPTS)
+
+    def data_options(self, cfg):
+        return {**super().data_options(cfg), "tools": self.tools.schemas if self.tools else None}
 
     def tokenize(self, raw, tokenizer, cfg, tokenizing):
         for split in ("train", "validation"):
             grpo.tokenize_prompts(raw[split], tokenizer, cfg.max_seq_length, split, tokenizing,
-                                  self.args.template_options)
+                                  self.args.template_options, self.tools.schemas if self.tools else None)
         return {"answers": SUPPORT_PROMPTS.answers(raw, cfg)}
 
     def setup(self, cfg, tokenizer, data):
         args, env = self.args, LaunchEnvironment.read()
+        episodes = self.tools and Episodes(args, tokenizer, self.tools, args.template_options)
         grpo.check_whole_groups(cfg.per_device_train_batch_size * env.world_size * cfg.gradient_accumulation_steps,
                                 args.num_generations)
         self.run_files = tuple(f"rollout-rank{rank}.pt" for rank in range(env.world_size))  # (num_iterations > 1)
@@ -73,9 +87,13 @@ class GRPOTask(causal_lm.ChatTask):
             model.generation_config.eos_token_id, world_size=env.world_size, rank=env.rank,
             per_device_batch_size=cfg.per_device_train_batch_size, accumulation_steps=cfg.gradient_accumulation_steps,
             seed=cfg.seed, reference=Reference(model, precision=causal_lm.run_precision(cfg)) if args.beta else None,
-            kept=Path(cfg.output_dir) / self.run_files[env.rank])
-        self.replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
-                                             SUPPORT_PROMPTS.score_replies, count=len(data.validation))
+            kept=Path(cfg.output_dir) / self.run_files[env.rank], episodes=episodes)
+        if episodes:
+            self.episodes = EvalEpisodes(episodes, data.validation, self.pool, args.weights, grpo.greedy_sampling(
+                self.rollouts.pad))
+        else:
+            self.replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
+                                                 SUPPORT_PROMPTS.score_replies, count=len(data.validation))
         train_set = TokenizedDataset(data.train, ["index"])
         sampler = grpo.RolloutSampler(train_set.lengths, cfg.per_device_train_batch_size, env.world_size,
                                       seed=cfg.seed, accumulation_steps=cfg.gradient_accumulation_steps,
@@ -84,7 +102,7 @@ class GRPOTask(causal_lm.ChatTask):
             raise UserError(f"{len(train_set)} training prompts are fewer than a step's {sampler.prompts_per_window}; "
                             "lower --per_device_train_batch_size or --gradient_accumulation_steps, or add prompts")
         summary = [f"{args.num_generations} completions a prompt, --loss_type {args.loss_type}, rewards: "
-                   + ", ".join(args.reward_funcs), adapters]
+                   + ", ".join(args.reward_funcs), args.tools and "tools: " + ", ".join(args.tools), adapters]
         return TaskSetup(train_set, TokenizedDataset(data.validation, ["index"]), _indices, model, sampler=sampler,
                          summary=", ".join(filter(None, summary)))
 
@@ -105,19 +123,24 @@ class GRPOTask(causal_lm.ChatTask):
             self.rollouts.judge.load_state_dict(state["reward_judge"])
 
     def eval_outputs(self, model, batch):
+        if self.episodes:  # scored where they ran: the messages and the tools' state stay there
+            return self.episodes.outputs(model, batch["index"])
         return (self.replies.generate(model, batch["index"]),)
 
     def metrics(self, outputs):
+        if self.episodes:
+            return self.episodes.metrics(outputs)
         texts = self.replies.texts(outputs[0])
         return {**scoring.eval_rewards(self.pool, self.replies.prompted, texts, self.args.weights),
                 **self.replies.metrics(outputs[0])}
 
     def write_predictions(self, outputs, output_dir):
-        self.replies.write(outputs[0], output_dir)
+        (self.episodes or self.replies).write(outputs[0] if self.replies else outputs, output_dir)
 
     def close(self):
-        if self.pool is not None:
-            self.pool.close()
+        for pool in (self.pool, self.tools):
+            if pool is not None:
+                pool.close()
 
 
 def _indices(rows: list[dict]) -> dict:

@@ -19,6 +19,7 @@ in the global batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -40,13 +41,15 @@ from finetune.distributed.ddp import all_reduce_max, all_reduce_sum
 from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
 from finetune.tasks.causal_lm import ChatModelArguments, cache_keyword, reply_log_probs
-from finetune.tasks.chat import check_conversation, render_prompts, rows_tools, without_nulls
+from finetune.tasks.chat import check_conversation, render_prompts, rows_tools
+from finetune.tasks.episodes import Episode, Episodes, prompt_messages
 from finetune.tasks.rewards import RewardFailures, RewardPool, check_reward_specs
 from finetune.tasks.scoring import RewardJudge, failed_table, reward_names, score_replies
+from finetune.tasks.tools import ERROR_KINDS, check_tool_specs
 
 __all__ = ["LOSS_TYPES", "SCALE_REWARDS", "Advantages", "GRPOArguments", "RolloutSampler", "Rollouts",
-           "check_grpo_options", "check_whole_groups", "completion_loss_units", "group_advantages", "policy_loss",
-           "sample_completions", "tokenize_prompts"]
+           "check_grpo_options", "check_whole_groups", "completion_loss_units", "greedy_sampling", "group_advantages",
+           "policy_loss", "sample_completions", "tokenize_prompts"]
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -90,6 +93,13 @@ class GRPOArguments(ChatModelArguments):
     mask_truncated_completions: bool = arg(False, "Leave completions cut at max_completion_length out of the loss.")
     lora_dropout: float = arg(0.0, "Dropout on the LoRA input: off by default, as TRL turns dropout off, so that a "
                                    "rollout's first pass trains at the log-probabilities it was sampled with.")
+    tools: list[str] = arg([], "Tools the model may call, each module:function (a module name or a .py file): "
+                               "functions with type hints and a docstring, run in worker processes. A reply's calls "
+                               "run and their results come back as tool messages: episodes of several turns.")
+    max_turns: int | None = arg(None, "With --tools: the most replies in an episode (default: as many as "
+                                      "--max_completion_length's sampled tokens allow).")
+    tool_timeout: float = arg(30.0, "Seconds a tool call may take before it fails (its worker process is replaced); "
+                                    "the model reads the error as the call's result.")
 
     def __post_init__(self):
         super().__post_init__()
@@ -109,6 +119,13 @@ class GRPOArguments(ChatModelArguments):
                             "give one weight each")
         self.weights = np.array(self.reward_weights or [1.0] * len(self.reward_funcs))
         self.max_new_tokens = self.max_completion_length  # the evaluation's replies are as long as the completions
+        if self.tools:
+            check_tool_specs(self.tools)
+        if self.max_turns is not None and self.max_turns < 1:
+            raise UserError(f"--max_turns is {self.max_turns}; an episode has at least 1 reply (leave it unset for "
+                            "as many as --max_completion_length allows)")
+        if not self.tool_timeout > 0:
+            raise UserError(f"--tool_timeout is {self.tool_timeout}; give a positive number of seconds")
         if not 0 <= self.max_reward_failures <= 1 or not self.reward_timeout > 0:
             raise UserError(f"--max_reward_failures {self.max_reward_failures} --reward_timeout "
                             f"{self.reward_timeout}: give a share from 0 to 1 and a positive number of seconds")
@@ -238,11 +255,11 @@ def policy_loss(log_probs: torch.Tensor, advantages: torch.Tensor, completion_ma
 
 
 def tokenize_prompts(split: datasets.Dataset, tokenizer, max_length: int, name: str, tokenizing: Tokenizing,
-                     template_options: dict | None = None) -> datasets.Dataset:
+                     template_options: dict | None = None, tools: list[dict] | None = None) -> datasets.Dataset:
     """A ``prompt`` column (text, or a list of messages before the reply, TRL's format) rendered with the generation
-    prompt into ``prompt_ids``; ``prompt_messages`` keeps each prompt as given (JSON) and ``columns`` the row's other
-    columns (JSON), both for the reward functions; ``index`` is the row; ``reference`` is empty (no reply to compare
-    with).
+    prompt into ``prompt_ids``, with ``tools`` (JSON schemas) where given, else the row's ``tools`` column;
+    ``prompt_messages`` keeps each prompt as given (JSON) and ``columns`` the row's other columns (JSON), both for
+    the reward functions; ``index`` is the row; ``reference`` is empty (no reply to compare with).
 
     Raises:
         UserError: no ``prompt`` column, a bad message, a template that refuses a prompt, or a prompt longer than
@@ -256,11 +273,11 @@ def tokenize_prompts(split: datasets.Dataset, tokenizer, max_length: int, name: 
 
     def encode(batch, rows):
         where = [f"{name} row {row + 1}" for row in rows]
-        prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else [without_nulls(m) for m in p]
-                   for p in batch["prompt"]]
+        prompts = [prompt_messages(p) for p in batch["prompt"]]
         for messages, place in zip(prompts, where, strict=True):
             check_conversation(messages + [{"role": "assistant", "content": ""}], place)
-        texts = render_prompts(prompts, tokenizer, where, rows_tools(batch, rows, name), template_options)
+        listed = [json.dumps(tools)] * len(rows) if tools else rows_tools(batch, rows, name)
+        texts = render_prompts(prompts, tokenizer, where, listed, template_options)
         ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         for prompt_ids, place in zip(ids, where, strict=True):
             if len(prompt_ids) > max_length:
@@ -324,7 +341,8 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
     Each completion draws from a generator of its own, seeded with its entry of ``seeds``: a completion depends on
     its seed and prompt, not on which others share its batch or process, so a run samples the same completions on
     any number of processes, and a resumed run what the uninterrupted one did. Each prompt's KV cache is computed
-    once and copied to its completions. ``model`` is unwrapped; it samples in eval mode (no dropout).
+    once and copied to its completions. ``model`` is unwrapped; it samples in eval mode (no dropout). At
+    ``temperature`` 0 every completion is the greedy one.
     """
     device = next(model.parameters()).device
     longest = max(len(p) for p in prompts)
@@ -350,9 +368,12 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
             for _ in range(max_new_tokens):
                 logits = model(input_ids=tokens, attention_mask=attention, position_ids=positions, use_cache=True,
                                **{keyword: cache}).logits[:, -1].float()
-                probs = _nucleus(torch.softmax(logits / temperature, -1), top_p)
-                tokens = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators,
-                                                                                         strict=True)])
+                if temperature:
+                    probs = _nucleus(torch.softmax(logits / temperature, -1), top_p)
+                    tokens = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators,
+                                                                                             strict=True)])
+                else:  # greedy (evaluation)
+                    tokens = logits.argmax(-1)
                 tokens = tokens.masked_fill(done, pad_token_id)[:, None]
                 generated.append(tokens)
                 done |= torch.isin(tokens[:, 0], stops)
@@ -367,6 +388,11 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
     ended = torch.isin(generated, stops)
     lengths = torch.where(ended.any(1), ended.int().argmax(1) + 1, generated.shape[1])
     return [row[:length].tolist() for row, length in zip(generated, lengths.tolist(), strict=True)]
+
+
+def greedy_sampling(pad_token_id: int):
+    """``sample_completions`` at temperature 0, as ``finetune.tasks.episodes.Episodes.roll`` takes it."""
+    return functools.partial(sample_completions, temperature=0.0, top_p=1.0, pad_token_id=pad_token_id)
 
 
 def _right_padded(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,8 +431,10 @@ class Rollouts:
 
     def __init__(self, args, prompts: datasets.Dataset, tokenizer, pool: RewardPool, weights: list[float],
                  stop_ids: list[int], *, world_size: int, rank: int, per_device_batch_size: int,
-                 accumulation_steps: int, seed: int, reference=None, kept: Path | None = None):
+                 accumulation_steps: int, seed: int, reference=None, kept: Path | None = None,
+                 episodes: Episodes | None = None):
         self.args, self.prompts, self.tokenizer, self.pool, self.reference = args, prompts, tokenizer, pool, reference
+        self.episodes = episodes
         self.kept = kept
         self.weights, self.stop_ids = torch.tensor(weights, dtype=torch.float64), set(stop_ids)
         self.world_size, self.rank, self.seed = world_size, rank, seed
@@ -449,17 +477,18 @@ class Rollouts:
                   ) -> list[tuple[dict, PlannedBatch]]:
         rows = [row for batch, _ in one_pass for row in batch["index"].tolist()]
         started = time.perf_counter()
-        completions = self._sample(model, rows, epoch, one_pass[0][1].window)
+        episodes = self._sample(model, rows, epoch, one_pass[0][1].window)
         sampled = time.perf_counter()
-        rewards, failed = self._score(rows, completions)
+        rewards, failed = self._score(rows, episodes)
         scored = time.perf_counter()
-        shared = self._shared(rewards, failed, completions, device)
+        shared = self._shared(rewards, failed, episodes, device)
         advantages = group_advantages(shared["rewards"], self.weights, self.args.num_generations,
                                       self.args.scale_rewards, shared["failed"])
         self.judge.judge_scored(advantages.rewards)
-        micro_batches = self._micro_batches(model, rows, completions, shared, advantages.advantages, device,
+        micro_batches = self._micro_batches(model, rows, episodes, shared, advantages.advantages, device,
                                             [planned for _, planned in one_pass])
-        self._note_rollout(shared, advantages, sampled - started, scored - sampled)
+        tool_seconds = self.episodes.take_tool_seconds() if self.episodes else None
+        self._note_rollout(shared, advantages, sampled - started, scored - sampled, tool_seconds)
         return micro_batches
 
     def _keep(self, key: list, micro_batches: list[tuple[dict, PlannedBatch]]) -> None:
@@ -482,15 +511,28 @@ class Rollouts:
                               attributes["window"], tuple(attributes["tokens"])))
                 for batch, indices, attributes in kept["micro_batches"]]
 
-    def _sample(self, model, rows: list[int], epoch: int, window: int) -> list[list[int]]:
+    def _sample(self, model, rows: list[int], epoch: int, window: int) -> list[Episode]:
         runs = [(row, len(list(group))) for row, group in itertools.groupby(rows)]
-        prompt_ids = self.prompts.select([row for row, _ in runs])["prompt_ids"]
-        # A completion's seed is the run's, the epoch's, the window's and its place in the window's global order.
-        seeds = np.random.SeedSequence([self.seed, epoch, window]).generate_state(len(rows) * self.world_size)
-        mine = seeds[self._positions()].tolist()
-        return sample_completions(model, prompt_ids, [count for _, count in runs], mine,
-                                  max_new_tokens=self.args.max_completion_length, temperature=self.args.temperature,
-                                  top_p=self.args.top_p, pad_token_id=self.pad)
+        prompted = self.prompts.select([row for row, _ in runs])
+        counts = [count for _, count in runs]
+
+        def seeds(turn: int) -> list[int]:
+            # A completion's seed is the run's, the epoch's, the window's, its place in the window's global order and
+            # its turn (the first turn's as a run without tools has it).
+            entropy = [self.seed, epoch, window] + ([turn] if turn else [])
+            everyone = np.random.SeedSequence(entropy).generate_state(len(rows) * self.world_size)
+            return everyone[self._positions()].tolist()
+
+        sample = functools.partial(sample_completions, temperature=self.args.temperature, top_p=self.args.top_p,
+                                   pad_token_id=self.pad)
+        if self.episodes is None:
+            completions = sample(model, prompted["prompt_ids"], counts, seeds(0),
+                                 max_new_tokens=self.args.max_completion_length)
+            return [Episode(ids=c, trained=[1] * len(c), truncated=not c or c[-1] not in self.stop_ids)
+                    for c in completions]
+        messages = [prompt_messages(json.loads(prompt)) for prompt in prompted["prompt_messages"]]
+        return self.episodes.roll(model, prompted["prompt_ids"], counts, messages, seeds, sample,
+                                  sharded=is_sharded(model))
 
     def _positions(self) -> list[int]:
         """Where this process's completions sit in the window's global order: micro-batch after micro-batch, each
@@ -498,39 +540,51 @@ class Rollouts:
         world, batch = self.world_size, self.per_device_batch_size
         return [m * world * batch + self.rank + j * world for m in range(self.accumulation_steps) for j in range(batch)]
 
-    def _score(self, rows: list[int], completions: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    def _score(self, rows: list[int], episodes: list[Episode]) -> tuple[np.ndarray, np.ndarray]:
         """``(rewards, failed)``, each ``[completions, functions]``: NaN where a function did not score a completion,
-        1 where it failed."""
-        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        scores = score_replies(self.pool, self.prompts.select(rows), texts)
+        1 where it failed. An episode with tools is scored as its messages, TRL's completion of a tool run."""
+        if self.episodes is None:
+            replies = self.tokenizer.batch_decode([e.ids for e in episodes], skip_special_tokens=True)
+        else:
+            replies = [e.messages for e in episodes]
+        scores = score_replies(self.pool, self.prompts.select(rows), replies)
         self.failures.add(scores, rows=[row + 1 for row in rows])
         return scores.values, failed_table(scores, self.pool)
 
-    def _shared(self, rewards: np.ndarray, failed: np.ndarray, completions: list[list[int]], device: torch.device
+    def _shared(self, rewards: np.ndarray, failed: np.ndarray, episodes: list[Episode], device: torch.device
                 ) -> dict:
-        """Every process's completions' rewards, failures, lengths, truncation and loss units, in the window's
-        global order (micro-batch after micro-batch, each one's completions dealt round-robin to the processes);
-        a function that failed too often stops the run here, on every process at once."""
-        lengths = [len(c) for c in completions]
-        truncated = [not c or c[-1] not in self.stop_ids for c in completions]
+        """Every process's completions' rewards, failures, sampled lengths, truncation and loss units (with tools:
+        calls, turns and errors by kind), in the window's global order (micro-batch after micro-batch, each one's
+        completions dealt round-robin to the processes); a function that failed too often stops the run here, on
+        every process at once."""
+        truncated = [e.truncated for e in episodes]
         width = self.args.max_completion_length
-        mask = torch.tensor([[1] * length + [0] * (width - length) for length in lengths])
+        if self.episodes is not None:  # sampled tokens and the tool turns between them
+            width = max(width, int(all_reduce_max(torch.tensor(max(len(e.ids) for e in episodes), device=device))))
+        mask = torch.tensor([e.trained + [0] * (width - len(e.ids)) for e in episodes])
         if self.args.mask_truncated_completions:
             mask[torch.tensor(truncated)] = 0
-        units = completion_loss_units(mask, self.args.loss_type, width)
-        local = np.column_stack([rewards, failed, lengths, truncated, units.numpy()]).astype(np.float64)
+        units = completion_loss_units(mask, self.args.loss_type, self.args.max_completion_length)
+        columns = {"rewards": rewards, "failed": failed, "lengths": [e.sampled for e in episodes],
+                   "truncated": truncated, "units": units.numpy()}
+        if self.episodes is not None:
+            columns.update({"tool_calls": [e.tool_calls for e in episodes], "turns": [e.turns for e in episodes],
+                            "tool_errors": [[e.errors[kind] for kind in ERROR_KINDS] for e in episodes]})
+        local = np.column_stack(list(columns.values())).astype(np.float64)
         positions = self._positions()
         table = torch.zeros(len(positions) * self.world_size, local.shape[1], dtype=torch.float64)
         table[positions] = torch.from_numpy(local)
         table = all_reduce_sum(table.to(device)).cpu()  # each row is one process's; the others add zeros
-        functions = rewards.shape[1]
-        shared = {"rewards": table[:, :functions], "failed": table[:, functions:2 * functions],
-                  "lengths": table[:, -3], "truncated": table[:, -2], "units": table[:, -1], "positions": positions,
-                  "mask": mask}
+        shared, start = {"positions": positions, "mask": mask, "width": width}, 0
+        for name, values in columns.items():
+            size = np.asarray(values, dtype=np.float64).reshape(len(episodes), -1).shape[1]
+            block = table[:, start:start + size]
+            shared[name] = block if name in ("rewards", "failed", "tool_errors") else block[:, 0]
+            start += size
         self.judge.judge_failures(shared["failed"].sum(0), len(table))
         return shared
 
-    def _micro_batches(self, model, rows: list[int], completions: list[list[int]], shared: dict,
+    def _micro_batches(self, model, rows: list[int], episodes: list[Episode], shared: dict,
                        advantages: torch.Tensor, device: torch.device, planned: list[PlannedBatch]
                        ) -> list[tuple[dict, PlannedBatch]]:
         """Each micro-batch's prompts (each once) and completions (``finetune.tasks.causal_lm.reply_log_probs``'s
@@ -538,7 +592,7 @@ class Rollouts:
         a later pass over the rollout and the KL term need."""
         units_everywhere = float(shared["units"].sum())
         scale = self.world_size / units_everywhere if units_everywhere else 0.0
-        width = self.args.max_completion_length
+        width = shared["width"]
         made = []
         for m, share in enumerate(planned):
             mine = range(m * self.per_device_batch_size, (m + 1) * self.per_device_batch_size)
@@ -546,7 +600,7 @@ class Rollouts:
             runs = [(row, len(list(group))) for row, group in itertools.groupby(rows[i] for i in mine)]
             prompts = self.prompts.select([row for row, _ in runs])["prompt_ids"]
             prompt_ids, prompt_mask = _right_padded(prompts, self.pad, max(map(len, prompts)))
-            reply_ids, reply_mask = _right_padded([completions[i] for i in mine], self.pad, width)
+            reply_ids, reply_mask = _right_padded([episodes[i].ids for i in mine], self.pad, width)
             where = [shared["positions"][i] for i in mine]  # the rows' places in the window's global order
             batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "reply_ids": reply_ids,
                      "reply_mask": reply_mask, "prompt_of": torch.arange(len(runs)).repeat_interleave(
@@ -586,7 +640,7 @@ class Rollouts:
         return loss
 
     def _note_rollout(self, shared: dict, advantages: Advantages, generation_seconds: float,
-                      reward_seconds: float) -> None:
+                      reward_seconds: float, tool_seconds: float | None) -> None:
         rewards, lengths = shared["rewards"], shared["lengths"]
         figures = {"reward": float(advantages.rewards.nanmean()), "reward_std": float(_nanstd(advantages.rewards, 0)),
                    "frac_reward_zero_std": float(advantages.zero_std.double().mean()),
@@ -596,6 +650,14 @@ class Rollouts:
         for k, name in enumerate(self.names):
             figures[f"rewards/{name}/mean"] = float(rewards[:, k].nanmean())
             figures[f"rewards/{name}/std"] = float(_nanstd(rewards[:, k], 0))
+        if tool_seconds is not None:  # sampling's time without the tools'
+            calls = shared["tool_calls"]
+            figures.update({"generation_seconds": generation_seconds - tool_seconds, "tool_seconds": tool_seconds,
+                            "tools/calls/mean": float(calls.mean()), "tools/calls/max": float(calls.max()),
+                            "tools/turns/mean": float(shared["turns"].mean())})
+            errors = shared["tool_errors"].sum(0)
+            figures.update({f"tools/errors/{kind}": float(count) for kind, count in zip(ERROR_KINDS, errors,
+                                                                                        strict=True)})
         self._rollout_figures.append(figures)
 
     def interval_logs(self) -> dict[str, float]:
@@ -606,7 +668,7 @@ class Rollouts:
         logs = {}
         for name in self._rollout_figures[0] if self._rollout_figures else ():
             values = [f[name] for f in self._rollout_figures]
-            logs[name] = max(values) if name.endswith("max_length") else sum(values) / len(values)
+            logs[name] = max(values) if name.endswith(("max_length", "/max")) else sum(values) / len(values)
         low, high, kl, tokens = all_reduce_sum(self._loss_figures).tolist()
         tokens = max(tokens, 1.0)
         logs.update({"clip_ratio/low": low / tokens, "clip_ratio/high": high / tokens,

@@ -17,7 +17,7 @@ from finetune.errors import UserError
 from finetune.tasks.rewards import RewardFailures, RewardPool, RewardScores, check_reward_signature
 
 __all__ = ["FAILURE_WINDOW", "MIN_JUDGED", "UNSCORED_ROLLOUTS", "RewardJudge", "check_rewards_on", "eval_rewards",
-           "failed_table", "reward_names", "score_replies"]
+           "failed_table", "reward_figures", "reward_names", "score_replies"]
 
 FAILURE_WINDOW = 256
 """Completions (the newest rollouts', over every process) over which ``--max_reward_failures`` judges a function: a
@@ -36,12 +36,13 @@ def reward_names(specs: list[str]) -> list[str]:
     return [name if names.count(name) == 1 else spec for name, spec in zip(names, specs, strict=True)]
 
 
-def score_replies(pool: RewardPool, rows: datasets.Dataset, texts: list[str]) -> RewardScores:
+def score_replies(pool: RewardPool, rows: datasets.Dataset, texts: list[str] | list[list[dict]]) -> RewardScores:
     """The reward functions' scores of the replies ``texts`` to the prompts ``rows`` (of ``tokenize_prompts``), each
     function given what TRL gives it: the prompts as the data has them, the completions (a conversation's as a list
-    holding the assistant's message) and the rows' other columns."""
+    holding the assistant's message; an episode with tools as its messages, given as such) and the rows' other
+    columns."""
     prompts = [json.loads(p) for p in rows["prompt_messages"]]
-    replies = [text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+    replies = [text if isinstance(prompt, str) or isinstance(text, list) else [{"role": "assistant", "content": text}]
                for prompt, text in zip(prompts, texts, strict=True)]
     columns = [json.loads(c) for c in rows["columns"]]
     return pool.score(prompts, replies, {key: [c[key] for c in columns] for key in (columns[0] if columns else ())})
@@ -69,7 +70,12 @@ def eval_rewards(pool: RewardPool, rows: datasets.Dataset, texts: list[str], wei
     replies its functions scored, and ``reward_failures/NAME``, the replies each function failed on: a reply any
     function failed on has no sum (as in training), and a failure counts in no mean, as 0 would."""
     scores = score_replies(pool, rows, texts)
-    names, values, failed = reward_names(pool.names), scores.values, failed_table(scores, pool)
+    return reward_figures(scores.values, failed_table(scores, pool), reward_names(pool.names), weights)
+
+
+def reward_figures(values: np.ndarray, failed: np.ndarray, names: list[str], weights: np.ndarray) -> dict[str, float]:
+    """``eval_rewards``' figures from the rewards ``values`` and ``failed`` (each ``[replies, functions]``) of
+    functions ``names``."""
     totals = np.where(np.isnan(values).all(1) | failed.any(1), np.nan, (np.nan_to_num(values) * weights).sum(1))
     figures = {"reward": totals, **{f"rewards/{name}/mean": values[:, k] for k, name in enumerate(names)}}
     means = {name: float(np.nanmean(v)) for name, v in figures.items() if not np.isnan(v).all()}

@@ -1,0 +1,353 @@
+"""GRPO with tools: the tool pool (results, and each failure returned to the model and counted by kind), episodes
+token in and token out on every family whose template parses tool calls, the refusals before the model loads, and
+(slow) every layout samples, scores and trains the same episodes."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import trl
+from helpers import load_recipe, log_history, read_jsonl, read_results, refused_here, run_on
+from safetensors.torch import load_file
+
+from finetune.errors import UserError
+from finetune.tasks.chat import end_of_turn_ids
+from finetune.tasks.episodes import Episodes
+from finetune.tasks.tools import ERROR_KINDS, ToolPool
+
+TEMPLATES = Path(trl.__file__).parent / "chat_templates"
+SHOP = '''
+import os
+import time
+
+STATUS = {"A0": "shipped", "A1": "delayed", "A2": "delivered", "A3": "shipped", "A4": "lost", "A5": "shipped",
+          "A6": "delivered", "A7": "delayed"}
+
+
+def lookup_order(order_id: str) -> str:
+    """The status of an order.
+
+    Args:
+        order_id: The order's id, such as A3.
+    """
+    return STATUS[order_id]
+
+
+def hangs(seconds: int) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+
+
+def exits(code: int) -> str:
+    """Ends its process.
+
+    Args:
+        code: The exit status.
+    """
+    os._exit(code)
+
+
+def no_hints(order_id):
+    """Looks.
+
+    Args:
+        order_id: The order.
+    """
+
+
+def states_the_status(prompts, completions, order_id, **columns):
+    return [float(STATUS[order] in completion[-1]["content"]) for completion, order in zip(completions, order_id)]
+'''
+
+
+@pytest.fixture(scope="module")
+def shop(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tools") / "shop.py"
+    path.write_text(SHOP)
+    return path
+
+
+def test_a_tool_answers_and_every_failure_comes_back_to_the_model_as_an_error_counted_by_kind(shop):
+    with ToolPool([f"{shop}:lookup_order", f"{shop}:hangs", f"{shop}:exits"], timeout=2) as pool:
+        assert [s["function"]["name"] for s in pool.schemas] == ["lookup_order", "hangs", "exits"]
+        assert pool.schemas[0]["function"]["parameters"]["properties"]["order_id"]["type"] == "string"
+        results = pool.call([("lookup_order", {"order_id": "A4"}), ("lookup_order", '{"order_id": "A9"}'),
+                             ("lookup_order", {"order": "A1"}), ("refund", {}), ("lookup_order", "{not json"),
+                             ("lookup_order", [1]), ("hangs", {"seconds": 60}), ("exits", {"code": 3}),
+                             ("lookup_order", {"order_id": "A2"})])
+    assert [r.error for r in results] == [None, "raised", "raised", "unknown_tool", "bad_arguments",
+                                          "bad_arguments", "timed_out", "worker_died", None]
+    assert results[0].text == "lost" and results[-1].text == "delivered"
+    assert results[1].text == "{'error': \"'A9'\"}"  # TRL's form: str({"error": str(exception)})
+    assert "unexpected keyword argument 'order'" in results[2].text
+    assert results[3].text == "{'error': 'Tool refund not found. The tools are: lookup_order, hangs, exits.'}"
+    assert "timed out after 2 s" in results[6].text and "exit status 3" in results[7].text
+    assert set(ERROR_KINDS) >= {r.error for r in results if r.error}
+
+
+def test_a_tool_transformers_cannot_describe_or_a_name_given_twice_is_refused(shop, tmp_path):
+    with pytest.raises(UserError, match=r"tool .*shop.py:no_hints: Argument order_id is missing a type hint"):
+        ToolPool([f"{shop}:no_hints"])
+    other = tmp_path / "other.py"
+    other.write_text(SHOP)
+    with pytest.raises(UserError, match="two --tools are named 'lookup_order'"):
+        ToolPool([f"{shop}:lookup_order", f"{other}:lookup_order"])
+
+
+# -- episodes, token in and token out
+
+CONVERSATION = [
+    {"role": "user", "content": "Where is order A3?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "lookup_order", "arguments": {"order_id": "A3"}}}]},
+    {"role": "tool", "name": "lookup_order", "content": "shipped"},
+    {"role": "assistant", "content": "Order A3 has shipped."}]
+PARSED = ["qwen2_5", "qwen3", "qwen3_instruct_2507"]
+"""The text families whose template TRL ships that write tool calls as <tool_call> JSON blocks."""
+PREFIX_CHANGING = ["qwen3"]
+"""Qwen3 renders an empty reasoning block in a reply's generation and drops it from the history once a tool has
+answered: the ids trained (as sampled) differ from the final conversation's rendering there."""
+
+
+class Scripted:
+    """A model's replies as its template renders them, turn after turn (the sampler of ``Episodes.roll``)."""
+
+    def __init__(self, replies: list[list[int]]):
+        self.replies, self.turn = replies, 0
+
+    def __call__(self, model, prompts, counts, seeds, max_new_tokens):
+        reply = self.replies[self.turn]
+        self.turn += 1
+        return [reply[:max_new_tokens] for count in counts for _ in range(count)]
+
+
+def rendered_reply(tokenizer, messages, turn, tools, stop_text) -> list[int]:
+    before = tokenizer.apply_chat_template(messages[:turn], tools=tools, tokenize=False, add_generation_prompt=True)
+    through = tokenizer.apply_chat_template(messages[:turn + 1], tools=tools, tokenize=False)
+    assert through.startswith(before)
+    reply = through[len(before):]
+    return tokenizer(reply[:reply.index(stop_text) + len(stop_text)], add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def lookup(shop):
+    with ToolPool([f"{shop}:lookup_order"]) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("family", sorted(p.stem for p in TEMPLATES.glob("*.jinja")
+                                          if not p.stem.endswith("_training") and "vl" not in p.stem))
+def test_an_episode_is_the_ids_sampled_and_the_templates_tool_turns_between_them(chat_tokenizer, lookup, family):
+    tokenizer = copy.deepcopy(chat_tokenizer)
+    tokenizer.chat_template = (TEMPLATES / f"{family}.jinja").read_text()
+
+    class Args:
+        max_completion_length, max_turns = 200, None
+
+    try:
+        episodes = Episodes(Args, tokenizer, lookup)
+    except UserError as err:
+        assert family not in PARSED and "--tools: the chat template" in str(err)
+        return
+    assert family in PARSED
+    tools = lookup.schemas
+    stop_text = tokenizer.decode(end_of_turn_ids(tokenizer)[-1:])
+    script = Scripted([rendered_reply(tokenizer, CONVERSATION, turn, tools, stop_text) for turn in (1, 3)])
+    prompt = tokenizer.apply_chat_template(CONVERSATION[:1], tools=tools, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    (episode,) = episodes.roll(None, [prompt_ids], [1], [CONVERSATION[:1]], lambda turn: [turn], script)
+    assert (episode.turns, episode.tool_calls, episode.truncated, sum(episode.errors.values())) == (2, 1, False, 0)
+    assert episode.messages[1:] == CONVERSATION[2:]  # the tool's result, and the reply
+    assert episode.messages[0]["tool_calls"][0]["function"] == CONVERSATION[1]["tool_calls"][0]["function"]
+    sampled = [t for t, trained in zip(episode.ids, episode.trained, strict=True) if trained]
+    assert sampled == script.replies[0] + script.replies[1]  # token in, token out
+    assert episode.ids[:len(script.replies[0])] == script.replies[0]
+    assert episode.ids[-len(script.replies[1]):] == script.replies[1]
+    final = tokenizer.apply_chat_template(CONVERSATION, tools=tools, tokenize=False)
+    final_ids = tokenizer(final[:final.rindex(stop_text) + len(stop_text)], add_special_tokens=False)["input_ids"]
+    assert (prompt_ids + episode.ids == final_ids) == (family not in PREFIX_CHANGING)
+
+
+def test_a_call_that_does_not_parse_gets_an_error_to_read_and_a_reply_without_turns_left_is_truncated(
+        chat_tokenizer, lookup):
+    tokenizer = copy.deepcopy(chat_tokenizer)
+    tokenizer.chat_template = (TEMPLATES / "qwen2_5.jinja").read_text()
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    class Args:
+        max_completion_length, max_turns = 200, 2
+
+    broken = ids('<tool_call>\n{"name": lookup_order}\n</tool_call><|im_end|>')
+    unknown = ids('<tool_call>\n{"name": "refund", "arguments": {}}\n</tool_call><|im_end|>')
+    episodes = Episodes(Args, tokenizer, lookup)
+    prompt = ids(tokenizer.apply_chat_template(CONVERSATION[:1], tools=lookup.schemas, add_generation_prompt=True,
+                                               tokenize=False))
+    (episode,) = episodes.roll(None, [prompt], [1], [CONVERSATION[:1]], lambda turn: [turn],
+                               Scripted([broken, unknown]))
+    assert (episode.turns, episode.tool_calls, episode.truncated) == (2, 1, True)
+    assert dict(episode.errors) == {"unparsed": 1}
+    assert episode.messages[1]["role"] == "tool" and "does not parse" in episode.messages[1]["content"]
+    assert episode.messages[2]["tool_calls"][0]["function"]["name"] == "refund"  # no turn left to read its error
+    assert sum(episode.trained) == len(broken) + len(unknown)
+
+
+# -- refusals, before the model loads
+
+@pytest.fixture(scope="module")
+def orders(tmp_path_factory) -> list[str]:
+    """Data flags: 16 prompts that ask for an order's status, each order twice, for train and validation."""
+    path = tmp_path_factory.mktemp("orders") / "orders.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Where is order A{k % 8}?"}],
+                                        "order_id": f"A{k % 8}"}) + "\n" for k in range(16)))
+    return ["--train_file", str(path), "--validation_file", str(path)]
+
+
+def test_bad_tools_and_turns_are_refused_before_the_model_loads(tiny_chat_model, shop, orders, tmp_path, capsys):
+    main = load_recipe("grpo").main
+    base = [*orders, "--model_name_or_path", str(tiny_chat_model), "--output_dir", str(tmp_path / "out"),
+            "--reward_funcs", f"{shop}:states_the_status"]
+    qwen = ["--chat_template", str(TEMPLATES / "qwen2_5.jinja")]
+    refused_here(main, [*base, *qwen, "--tools", f"{shop}:refund"], capsys, "tool", "has no 'refund'",
+                 "lookup_order")
+    refused_here(main, [*base, *qwen, "--tools", f"{shop}:no_hints"], capsys, "missing a type hint")
+    refused_here(main, [*base, *qwen, "--tools", f"{shop}:lookup_order", "--max_turns", "0"], capsys,
+                 "--max_turns is 0")
+    # SmolLM2's own template has no tools
+    refused_here(main, [*base, "--tools", f"{shop}:lookup_order"], capsys,
+                 "writes tool calls in a form not parsed here", "qwen2_5.jinja")
+    assert not (tmp_path / "out").exists()
+
+
+# -- every layout samples, scores and trains the same episodes
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory, chat_tokenizer, shop) -> Path:
+    """A tiny Llama taught (150 Adam steps of 4 of 8 conversations) to call lookup_order under Qwen2.5's template and to
+    state the status the tool returns. It does not copy the order's id (its calls name orders at random, some do not
+    parse): rewards differ within groups."""
+    import torch
+    from helpers import tiny_llama
+
+    tokenizer = copy.deepcopy(chat_tokenizer)
+    tokenizer.chat_template = (TEMPLATES / "qwen2_5.jinja").read_text()
+    status = {}
+    exec(SHOP, status)
+    with ToolPool([f"{shop}:lookup_order"]) as pool:
+        tools = pool.schemas
+    rows = []
+    for order, said in status["STATUS"].items():
+        messages = [{"role": "user", "content": f"Where is order {order}?"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"type": "function", "function": {"name": "lookup_order", "arguments": {"order_id": order}}}]},
+                    {"role": "tool", "name": "lookup_order", "content": said},
+                    {"role": "assistant", "content": f"It is {said}."}]
+        spans = [(len(tokenizer.apply_chat_template(messages[:turn], tools=tools, tokenize=False,
+                                                    add_generation_prompt=True)),
+                  len(tokenizer.apply_chat_template(messages[:turn + 1], tools=tools, tokenize=False).rstrip()))
+                 for turn in (1, 3)]
+        encoded = tokenizer(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False),
+                            add_special_tokens=False, return_offsets_mapping=True)
+        labels = [token if any(start <= at < end for start, end in spans) else -100
+                  for token, (at, _) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)]
+        rows.append((encoded["input_ids"], labels))
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([row + [2] * (width - len(row)) for row, _ in rows])
+    labels = torch.tensor([row + [-100] * (width - len(row)) for _, row in rows])[:, 1:]
+    model = tiny_llama(tokenizer)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(150):  # the head only where a reply's tokens are predicted: the vocabulary is most of the cost
+        rows = slice(4 * (step % 2), 4 * (step % 2) + 4)
+        hidden = model.model(input_ids=ids[rows]).last_hidden_state[:, :-1]
+        wanted = labels[rows]
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[wanted != -100]), wanted[wanted != -100])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    folder = tmp_path_factory.mktemp("tool_model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+TOOL_FLAGS = ["--max_completion_length", "48", "--num_generations", "4", "--logging_steps", "1",
+              "--per_device_eval_batch_size", "16", "--learning_rate", "1e-2", "--num_iterations", "2",
+              "--beta", "0.04", "--max_train_steps", "4", "--checkpointing_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def tool_runs(tool_model, shop, orders, tmp_path_factory) -> dict[str, Path]:
+    """4 steps of 8 episodes (2 prompts x 4), two passes over each rollout and a KL term: on 1 process, on 1 with
+    accumulation 2, on 2 processes under each launcher, and sharded (``--fsdp``); checkpoints every 2 steps."""
+    flags = [*TOOL_FLAGS, "--tools", f"{shop}:lookup_order", "--reward_funcs", f"{shop}:states_the_status"]
+    outs = {name: tmp_path_factory.mktemp("tools") / name
+            for name in ("one", "accumulation", "accelerate", "torchrun", "fsdp")}
+    run_on("grpo", tool_model, orders, outs["one"], *flags, "--per_device_train_batch_size", "8")
+    run_on("grpo", tool_model, orders, outs["accumulation"], *flags, "--per_device_train_batch_size", "4",
+           "--gradient_accumulation_steps", "2")
+    for name, launcher, sharded in (("accelerate", "accelerate", []), ("torchrun", "torchrun", []),
+                                    ("fsdp", "torchrun", ["--fsdp"])):
+        run_on("grpo", tool_model, orders, outs[name], *flags, *sharded, "--per_device_train_batch_size", "4",
+               launcher=launcher, processes=2)
+    return outs
+
+
+TOOL_FIGURES = ["reward", "reward_std", "completions/mean_length", "completions/truncated_share", "tools/calls/mean",
+                "tools/calls/max", "tools/turns/mean", *(f"tools/errors/{kind}" for kind in ERROR_KINDS), "kl",
+                "clip_ratio/region"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_every_layout_samples_the_same_episodes_calls_the_same_tools_and_trains_alike(tool_runs):
+    reference = log_history(tool_runs["one"])
+    assert [h["step"] for h in reference] == [1, 2, 3, 4]
+    first = reference[0]
+    assert first["tools/calls/mean"] > 0.5 and first["tools/turns/mean"] > 1.5, "episodes of several turns"
+    assert first["reward_std"] > 0 and reference[1]["kl"] > 0
+    adapter = load_file(tool_runs["one"] / "adapter_model.safetensors")
+    results = read_results(tool_runs["one"])
+    assert results["eval_tools/calls/mean"] > 0.5 and "eval_reward" in results
+    for name in ("accumulation", "accelerate", "torchrun", "fsdp"):
+        history = log_history(tool_runs[name])
+        assert [h["step"] for h in history] == [1, 2, 3, 4], name
+        for ours, theirs in zip(history, reference, strict=True):
+            assert ours.keys() == theirs.keys(), (name, ours["step"])
+            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (name, ours, theirs)
+            assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7), (name, ours, theirs)
+            for key in TOOL_FIGURES:
+                if key in theirs:
+                    assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (name, key)
+        other = load_file(tool_runs[name] / "adapter_model.safetensors")
+        assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-4, name
+        theirs = read_results(tool_runs[name])
+        for key in results:
+            if key.startswith("eval_"):
+                assert theirs[key] == pytest.approx(results[key], rel=1e-6), (name, key)
+    assert read_jsonl(tool_runs["torchrun"] / "eval_generations.jsonl") == read_jsonl(
+        tool_runs["one"] / "eval_generations.jsonl")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_run_with_tools_resumed_from_its_checkpoint_is_the_uninterrupted_one(tool_runs, tool_model, shop, orders,
+                                                                               tmp_path):
+    out = tmp_path / "resumed"
+    run_on("grpo", tool_model, orders, out, *TOOL_FLAGS, "--tools", f"{shop}:lookup_order", "--reward_funcs",
+           f"{shop}:states_the_status", "--per_device_train_batch_size", "4", "--resume_from_checkpoint",
+           str(tool_runs["torchrun"] / "checkpoints" / "step_2"), launcher="torchrun", processes=2)
+    history = log_history(out)
+    assert [h["step"] for h in history] == [3, 4]
+    for ours, theirs in zip(history, log_history(tool_runs["torchrun"])[2:], strict=True):
+        assert {k: v for k, v in ours.items() if "seconds" not in k and k != "samples_per_second"} == {
+            k: v for k, v in theirs.items() if "seconds" not in k and k != "samples_per_second"}
+    resumed, uninterrupted = (load_file(run / "adapter_model.safetensors") for run in (out, tool_runs["torchrun"]))
+    assert max((resumed[k] - uninterrupted[k]).abs().max().item() for k in resumed) == 0
