@@ -26,7 +26,7 @@ from finetune.models.loading import default_chat_model_path
 from finetune.recipe import run_recipe
 from finetune.task import TaskSetup
 from finetune.tasks import causal_lm, grpo, scoring
-from finetune.tasks.episodes import Episodes, EvalEpisodes, response_template
+from finetune.tasks.episodes import Episodes, EvalEpisodes, response_template, row_columns
 from finetune.tasks.grpo import GRPOArguments
 from finetune.tasks.preference import Reference, load_causal_lm
 from finetune.tasks.rewards import RewardPool
@@ -50,7 +50,7 @@ class GRPOTask(causal_lm.ChatTask):
 
     def load_tokenizer(self, cfg):
         tokenizer = super().load_tokenizer(cfg)
-        if self.args.tools:  # a template without a tool-call format is refused before anything heavy
+        if self.args.tools or self.args.environment:  # a template without a tool-call format: before anything heavy
             response_template(tokenizer, self.args.template_options)
         return tokenizer
 
@@ -58,8 +58,8 @@ class GRPOTask(causal_lm.ChatTask):
         if (cfg.train_file or cfg.dataset_name) and self.args.reward_funcs == [DEFAULT_REWARD]:
             raise UserError("your data needs reward functions of its own: give --reward_funcs module:function ... "
                             "(TRL's signature, func(prompts, completions, **columns) -> list of floats)")
-        if self.args.tools and self.tools is None:  # their schemas go into the prompts
-            self.tools = ToolPool(self.args.tools, timeout=self.args.tool_timeout)
+        if (self.args.tools or self.args.environment) and self.tools is None:  # their schemas go into the prompts
+            self.tools = ToolPool(self.args.tools, self.args.environment, timeout=self.args.tool_timeout)
         return load_splits(cfg, SUPPORT_PROMPTS)
 
     def data_options(self, cfg):
@@ -77,7 +77,10 @@ class GRPOTask(causal_lm.ChatTask):
         grpo.check_whole_groups(cfg.per_device_train_batch_size * env.world_size * cfg.gradient_accumulation_steps,
                                 args.num_generations)
         self.run_files = tuple(f"rollout-rank{rank}.pt" for rank in range(env.world_size))  # (num_iterations > 1)
-        self.pool = RewardPool(args.reward_funcs, timeout=args.reward_timeout, passed_environment=args.reward_env)
+        self.pool = RewardPool(args.reward_funcs, timeout=args.reward_timeout, passed_environment=args.reward_env,
+                               environment=args.environment)
+        if args.environment:  # one that cannot start is refused before the model loads
+            self.tools.reset(row_columns(data.train.select([0])))
         scoring.check_rewards_on(self.pool, data.train[0])
         model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
                                trust_remote_code=cfg.trust_remote_code, **args.loading_options(cfg))
@@ -102,7 +105,8 @@ class GRPOTask(causal_lm.ChatTask):
             raise UserError(f"{len(train_set)} training prompts are fewer than a step's {sampler.prompts_per_window}; "
                             "lower --per_device_train_batch_size or --gradient_accumulation_steps, or add prompts")
         summary = [f"{args.num_generations} completions a prompt, --loss_type {args.loss_type}, rewards: "
-                   + ", ".join(args.reward_funcs), args.tools and "tools: " + ", ".join(args.tools), adapters]
+                   + ", ".join(args.reward_funcs), args.tools and "tools: " + ", ".join(args.tools),
+                   args.environment and f"environment: {args.environment}", adapters]
         return TaskSetup(train_set, TokenizedDataset(data.validation, ["index"]), _indices, model, sampler=sampler,
                          summary=", ".join(filter(None, summary)))
 

@@ -8,6 +8,7 @@ import copy
 import json
 from pathlib import Path
 
+import datasets
 import pytest
 import trl
 from helpers import load_recipe, log_history, read_jsonl, read_results, refused_here, run_on
@@ -15,8 +16,9 @@ from safetensors.torch import load_file
 
 from finetune.errors import UserError
 from finetune.tasks.chat import end_of_turn_ids
-from finetune.tasks.episodes import Episodes
-from finetune.tasks.tools import ERROR_KINDS, ToolPool
+from finetune.tasks.episodes import Episodes, score_episodes
+from finetune.tasks.rewards import RewardPool
+from finetune.tasks.tools import ERROR_KINDS, ToolCall, ToolPool
 
 TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 SHOP = '''
@@ -62,6 +64,51 @@ def no_hints(order_id):
     """
 
 
+class Orders:
+    """lookup_order as an environment's method, with nothing to say at the start."""
+
+    def reset(self, **row):
+        pass
+
+    def lookup_order(self, order_id: str) -> str:
+        """The status of an order.
+
+        Args:
+            order_id: The order's id, such as A3.
+        """
+        return STATUS[order_id]
+
+
+class Shop(Orders):
+    """Knows the episode's order, says it at the start, and keeps what was looked up."""
+
+    def reset(self, order_id, **row):
+        self.order, self.looked_up = order_id, []
+        return f" (order {order_id})"
+
+    def lookup_order(self, order_id: str) -> str:
+        """The status of an order.
+
+        Args:
+            order_id: The order's id, such as A3.
+        """
+        self.looked_up.append(order_id)
+        return STATUS[order_id]
+
+
+class NoReset:
+    def lookup_order(self, order_id: str) -> str:
+        """The status of an order.
+
+        Args:
+            order_id: The order's id.
+        """
+
+
+def looked_up_its_own_order(prompts, completions, environments, **columns):
+    return [float(env.looked_up == [env.order]) for env in environments]
+
+
 def states_the_status(prompts, completions, order_id, **columns):
     return [float(STATUS[order] in completion[-1]["content"]) for completion, order in zip(completions, order_id)]
 '''
@@ -78,10 +125,11 @@ def test_a_tool_answers_and_every_failure_comes_back_to_the_model_as_an_error_co
     with ToolPool([f"{shop}:lookup_order", f"{shop}:hangs", f"{shop}:exits"], timeout=2) as pool:
         assert [s["function"]["name"] for s in pool.schemas] == ["lookup_order", "hangs", "exits"]
         assert pool.schemas[0]["function"]["parameters"]["properties"]["order_id"]["type"] == "string"
-        results = pool.call([("lookup_order", {"order_id": "A4"}), ("lookup_order", '{"order_id": "A9"}'),
-                             ("lookup_order", {"order": "A1"}), ("refund", {}), ("lookup_order", "{not json"),
-                             ("lookup_order", [1]), ("hangs", {"seconds": 60}), ("exits", {"code": 3}),
-                             ("lookup_order", {"order_id": "A2"})])
+        calls = [("lookup_order", {"order_id": "A4"}), ("lookup_order", '{"order_id": "A9"}'),
+                 ("lookup_order", {"order": "A1"}), ("refund", {}), ("lookup_order", "{not json"),
+                 ("lookup_order", [1]), ("hangs", {"seconds": 60}), ("exits", {"code": 3}),
+                 ("lookup_order", {"order_id": "A2"})]
+        results = pool.call([ToolCall(name, arguments, episode=k) for k, (name, arguments) in enumerate(calls)])
     assert [r.error for r in results] == [None, "raised", "raised", "unknown_tool", "bad_arguments",
                                           "bad_arguments", "timed_out", "worker_died", None]
     assert results[0].text == "lost" and results[-1].text == "delivered"
@@ -92,6 +140,39 @@ def test_a_tool_answers_and_every_failure_comes_back_to_the_model_as_an_error_co
     assert set(ERROR_KINDS) >= {r.error for r in results if r.error}
 
 
+def test_an_environment_starts_per_episode_keeps_its_state_across_calls_and_rewards_read_it(chat_tokenizer, shop):
+    tokenizer = copy.deepcopy(chat_tokenizer)
+    tokenizer.chat_template = (TEMPLATES / "qwen2_5.jinja").read_text()
+
+    class Args:
+        max_completion_length, max_turns = 200, None
+
+    def reply(text):
+        return tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+
+    own = reply('<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "A1"}}\n</tool_call>')
+    other = reply('<tool_call>\n{"name": "lookup_order", "arguments": {"order_id": "A2"}}\n</tool_call>')
+    rows = [{"prompt": "Where is my order?", "order_id": "A1"}]
+    messages = [[{"role": "user", "content": "Where is my order?"}]]
+    with ToolPool([], environment=f"{shop}:Shop") as tools, RewardPool(
+            [f"{shop}:looked_up_its_own_order"], environment=f"{shop}:Shop") as rewards:
+        assert [s["function"]["name"] for s in tools.schemas] == ["lookup_order"]
+        episodes = Episodes(Args, tokenizer, tools)
+        prompt = tokenizer(tokenizer.apply_chat_template(messages[0], tools=tools.schemas, tokenize=False,
+                                                         add_generation_prompt=True), add_special_tokens=False)
+        rolled = [episodes.roll(None, [prompt["input_ids"]], [1], messages, lambda turn: [turn],
+                                Scripted([script, reply("Delayed.")]), rows=rows)[0] for script in (own, other)]
+        table = datasets.Dataset.from_list([{"prompt_messages": json.dumps(rows[0]["prompt"]),
+                                             "columns": json.dumps({"order_id": "A1"})}] * 2)
+        scores = score_episodes(rewards, table, rolled)
+    for episode in rolled:
+        assert episode.prompt_messages == [{"role": "user", "content": "Where is my order? (order A1)"}]
+        assert tokenizer.decode(episode.prompt).endswith("Where is my order? (order A1)<|im_end|>\n"
+                                                         "<|im_start|>assistant\n")
+    assert [e.messages[1]["content"] for e in rolled] == ["delayed", "delivered"]
+    assert scores.values.tolist() == [[1.0], [0.0]] and not scores.failures
+
+
 def test_a_tool_transformers_cannot_describe_or_a_name_given_twice_is_refused(shop, tmp_path):
     with pytest.raises(UserError, match=r"tool .*shop.py:no_hints: Argument order_id is missing a type hint"):
         ToolPool([f"{shop}:no_hints"])
@@ -99,6 +180,10 @@ def test_a_tool_transformers_cannot_describe_or_a_name_given_twice_is_refused(sh
     other.write_text(SHOP)
     with pytest.raises(UserError, match="two --tools are named 'lookup_order'"):
         ToolPool([f"{shop}:lookup_order", f"{other}:lookup_order"])
+    with pytest.raises(UserError, match=r"environment .*:NoReset has no reset method"):
+        ToolPool([], environment=f"{shop}:NoReset")
+    with pytest.raises(UserError, match="two of the --tools and --environment's methods share a name"):
+        ToolPool([f"{shop}:lookup_order"], environment=f"{shop}:Orders")
 
 
 # -- episodes, token in and token out
@@ -286,16 +371,19 @@ TOOL_FLAGS = ["--max_completion_length", "48", "--num_generations", "4", "--logg
 @pytest.fixture(scope="module")
 def tool_runs(tool_model, shop, orders, tmp_path_factory) -> dict[str, Path]:
     """4 steps of 8 episodes (2 prompts x 4), two passes over each rollout and a KL term: on 1 process, on 1 with
-    accumulation 2, on 2 processes under each launcher, and sharded (``--fsdp``); checkpoints every 2 steps."""
-    flags = [*TOOL_FLAGS, "--tools", f"{shop}:lookup_order", "--reward_funcs", f"{shop}:states_the_status"]
+    accumulation 2, on 2 processes under each launcher, and sharded (``--fsdp``); checkpoints every 2 steps. Under
+    torchrun the tool is an environment's method (``Orders``), elsewhere the function."""
+    tools = ["--tools", f"{shop}:lookup_order"]
+    environment = ["--environment", f"{shop}:Orders"]
     outs = {name: tmp_path_factory.mktemp("tools") / name
             for name in ("one", "accumulation", "accelerate", "torchrun", "fsdp")}
-    run_on("grpo", tool_model, orders, outs["one"], *flags, "--per_device_train_batch_size", "8")
-    run_on("grpo", tool_model, orders, outs["accumulation"], *flags, "--per_device_train_batch_size", "4",
+    flags = [*TOOL_FLAGS, "--reward_funcs", f"{shop}:states_the_status"]
+    run_on("grpo", tool_model, orders, outs["one"], *flags, *tools, "--per_device_train_batch_size", "8")
+    run_on("grpo", tool_model, orders, outs["accumulation"], *flags, *tools, "--per_device_train_batch_size", "4",
            "--gradient_accumulation_steps", "2")
-    for name, launcher, sharded in (("accelerate", "accelerate", []), ("torchrun", "torchrun", []),
-                                    ("fsdp", "torchrun", ["--fsdp"])):
-        run_on("grpo", tool_model, orders, outs[name], *flags, *sharded, "--per_device_train_batch_size", "4",
+    for name, launcher, given in (("accelerate", "accelerate", tools), ("torchrun", "torchrun", environment),
+                                  ("fsdp", "torchrun", [*environment, "--fsdp"])):
+        run_on("grpo", tool_model, orders, outs[name], *flags, *given, "--per_device_train_batch_size", "4",
                launcher=launcher, processes=2)
     return outs
 
@@ -341,7 +429,7 @@ def test_every_layout_samples_the_same_episodes_calls_the_same_tools_and_trains_
 def test_a_run_with_tools_resumed_from_its_checkpoint_is_the_uninterrupted_one(tool_runs, tool_model, shop, orders,
                                                                                tmp_path):
     out = tmp_path / "resumed"
-    run_on("grpo", tool_model, orders, out, *TOOL_FLAGS, "--tools", f"{shop}:lookup_order", "--reward_funcs",
+    run_on("grpo", tool_model, orders, out, *TOOL_FLAGS, "--environment", f"{shop}:Orders", "--reward_funcs",
            f"{shop}:states_the_status", "--per_device_train_batch_size", "4", "--resume_from_checkpoint",
            str(tool_runs["torchrun"] / "checkpoints" / "step_2"), launcher="torchrun", processes=2)
     history = log_history(out)

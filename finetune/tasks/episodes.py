@@ -33,9 +33,10 @@ from finetune.errors import UserError
 from finetune.tasks.chat import IGNORE, end_of_turn_ids, without_nulls, write_generations
 from finetune.tasks.rewards import RewardPool
 from finetune.tasks.scoring import failed_table, reward_figures, reward_names, score_replies
-from finetune.tasks.tools import ERROR_KINDS, ToolPool
+from finetune.tasks.tools import ERROR_KINDS, ToolCall, ToolPool
 
-__all__ = ["EvalEpisodes", "Episode", "Episodes", "prompt_messages", "response_template", "tool_turn_ids"]
+__all__ = ["EvalEpisodes", "Episode", "Episodes", "prompt_messages", "response_template", "row_columns",
+           "score_episodes", "tool_turn_ids"]
 
 _PROBE_CALL = {"name": "probe_tool", "arguments": {"city": "Paris"}}
 _PROBE = [{"role": "user", "content": "Hi"},
@@ -46,6 +47,22 @@ _HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 def prompt_messages(prompt) -> list[dict]:
     """A ``prompt`` as the data gives it (text, or messages) as messages."""
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [without_nulls(m) for m in prompt]
+
+
+def row_columns(rows) -> list[dict]:
+    """Each of ``rows`` (of ``finetune.tasks.grpo.tokenize_prompts``) as its columns, ``prompt`` as the data has it:
+    what an environment's ``reset(**row)`` gets, as TRL gives it."""
+    return [{**json.loads(columns), "prompt": json.loads(prompt)}
+            for columns, prompt in zip(rows["columns"], rows["prompt_messages"], strict=True)]
+
+
+def score_episodes(rewards: RewardPool, rows, episodes: list[Episode]):
+    """The reward functions' scores of ``episodes`` of ``rows``: each completion its messages; with an environment
+    the prompts with its first observation, and the environments (TRL's ``environments=``)."""
+    with_environment = bool(episodes) and episodes[0].state is not None
+    return score_replies(rewards, rows, [episode.messages for episode in episodes],
+                         prompts=[e.prompt_messages for e in episodes] if with_environment else None,
+                         environments=[e.state for e in episodes] if with_environment else None)
 
 
 def response_template(tokenizer, options: dict | None = None) -> dict:
@@ -110,12 +127,16 @@ def tool_turn_ids(tokenizer, history: list[dict], tool_messages: list[dict], too
 
 @dataclass
 class Episode:
-    """A completion that may span turns: its ids after the prompt, which of them the model sampled (``trained``),
-    and its messages as TRL gives completions to reward functions (assistant, tool, ..., assistant)."""
+    """A completion that may span turns: its prompt (ids and messages: the row's, with an environment's first
+    observation added), its ids after the prompt, which of them the model sampled (``trained``), its messages as
+    TRL gives completions to reward functions (assistant, tool, ..., assistant), and its environment's state."""
 
+    prompt: list[int]
+    prompt_messages: list[dict]
     ids: list[int] = field(default_factory=list)
     trained: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
+    state: bytes | None = None
     turns: int = 0
     tool_calls: int = 0
     errors: Counter = field(default_factory=Counter)
@@ -146,18 +167,21 @@ class Episodes:
         self._tool_seconds = 0.0
 
     def take_tool_seconds(self) -> float:
-        """Seconds spent in tool calls since the last call."""
+        """Seconds spent in tool calls (and environments' resets) since the last call."""
         seconds, self._tool_seconds = self._tool_seconds, 0.0
         return seconds
 
     def roll(self, model, prompts: list[list[int]], counts: list[int], prompt_messages: list[list[dict]],
-             seeds: Callable[[int], list[int]], sample, *, sharded: bool = False) -> list[Episode]:
-        """``counts[i]`` episodes of each prompt (``prompts`` ids, ``prompt_messages`` the messages they render),
-        each turn's replies sampled by ``sample(model, prompts, counts, seeds, max_new_tokens=...)`` (seeded per
-        episode with ``seeds(turn)``). A sharded model's processes sample together until none has an episode
-        going."""
+             seeds: Callable[[int], list[int]], sample, *, rows: list[dict] | None = None,
+             sharded: bool = False) -> list[Episode]:
+        """``counts[i]`` episodes of each prompt (``prompts`` ids, ``prompt_messages`` the messages they render,
+        ``rows`` its row's columns, which an environment's ``reset`` gets), each turn's replies sampled by
+        ``sample(model, prompts, counts, seeds, max_new_tokens=...)`` (seeded per episode with ``seeds(turn)``). A
+        sharded model's processes sample together until none has an episode going."""
         owners = [i for i, count in enumerate(counts) for _ in range(count)]
-        episodes = [Episode() for _ in owners]
+        episodes = [Episode(prompts[i], prompt_messages[i]) for i in owners]
+        if self.pool.environment is not None:
+            self._reset(episodes, [rows[i] for i in owners])
         budget = self.args.max_completion_length
         turn = 0
         while True:
@@ -168,25 +192,40 @@ class Episodes:
             if left == 0:
                 break
             turn_seeds = seeds(turn)
-            if turn == 0:
-                replies = sample(model, prompts, counts, turn_seeds, max_new_tokens=left)
+            if turn == 0 and all(e.prompt is prompts[i] for e, i in zip(episodes, owners, strict=True)):
+                replies = sample(model, prompts, counts, turn_seeds, max_new_tokens=left)  # a group's prompt once
             elif going:
-                replies = sample(model, [prompts[owners[k]] + episodes[k].ids for k in going], [1] * len(going),
+                replies = sample(model, [episodes[k].prompt + episodes[k].ids for k in going], [1] * len(going),
                                  [turn_seeds[k] for k in going], max_new_tokens=left)
             else:  # nothing left here, but another process samples: keep in step with it
                 sample(model, prompts[:1], [1], turn_seeds[:1], max_new_tokens=left)
                 replies = []
-            self._take_replies(episodes, going, replies, owners, prompts, prompt_messages)
+            self._take_replies(episodes, going, replies)
             turn += 1
         return episodes
 
-    def _take_replies(self, episodes: list[Episode], going: list[int], replies: list[list[int]], owners: list[int],
-                      prompts: list[list[int]], prompt_messages: list[list[dict]]) -> None:
-        calls, callers = [], []
+    def _reset(self, episodes: list[Episode], rows: list[dict]) -> None:
+        """A new environment per episode; a first observation is added to the prompt's last message (TRL's way),
+        and the prompt rendered again."""
+        started = time.perf_counter()
+        states = self.pool.reset(rows)
+        self._tool_seconds += time.perf_counter() - started
+        for episode, (observation, state) in zip(episodes, states, strict=True):
+            episode.state = state
+            if observation:
+                last = episode.prompt_messages[-1]
+                episode.prompt_messages = [*episode.prompt_messages[:-1],
+                                           {**last, "content": (last.get("content") or "") + observation}]
+                text = self.tokenizer.apply_chat_template(episode.prompt_messages, tools=self.pool.schemas,
+                                                          tokenize=False, add_generation_prompt=True, **self.options)
+                episode.prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _take_replies(self, episodes: list[Episode], going: list[int], replies: list[list[int]]) -> None:
+        calls, unparsed_calls = [], {}
         for k, reply in zip(going, replies, strict=True):
             episode = episodes[k]
             reply = reply[:self.args.max_completion_length - episode.sampled]
-            context = prompts[owners[k]] + episode.ids
+            context = episode.prompt + episode.ids
             episode.ids += reply
             episode.trained += [1] * len(reply)
             episode.turns += 1
@@ -202,28 +241,27 @@ class Episodes:
                 continue
             episode.tool_calls += len(wanted)
             for call in wanted:
-                calls.append(("", "") if call is None else _name_and_arguments(call))
-                callers.append((k, unparsed if call is None else None))
+                if call is None:
+                    unparsed_calls[len(calls)] = unparsed
+                calls.append(ToolCall(*_name_and_arguments(call or {}), episode=k, state=episode.state))
         started = time.perf_counter()
-        results = self.pool.call([call for call, (_, unparsed) in zip(calls, callers, strict=True)
-                                  if unparsed is None]) if calls else []
+        made = iter(self.pool.call([c for n, c in enumerate(calls) if n not in unparsed_calls]) if calls else [])
         self._tool_seconds += time.perf_counter() - started
         answers: dict[int, list[dict]] = {}
-        made = iter(results)
-        for (name, _), (k, unparsed) in zip(calls, callers, strict=True):
-            if unparsed is not None:
-                text, error = str({"error": f"the tool call does not parse: {unparsed}"}), "unparsed"
+        for n, call in enumerate(calls):
+            episode = episodes[call.episode]
+            if n in unparsed_calls:
+                text, error = str({"error": f"the tool call does not parse: {unparsed_calls[n]}"}), "unparsed"
             else:
                 result = next(made)
-                text, error = result.text, result.error
+                text, error, episode.state = result.text, result.error, result.state
             if error:
-                episodes[k].errors[error] += 1
-            answers.setdefault(k, []).append({"role": "tool", "name": name, "content": text})
+                episode.errors[error] += 1
+            answers.setdefault(call.episode, []).append({"role": "tool", "name": call.name, "content": text})
         for k, tool_messages in answers.items():
             episode = episodes[k]
-            history = prompt_messages[owners[k]] + episode.messages
-            inserted = tool_turn_ids(self.tokenizer, history, tool_messages, self.pool.schemas,
-                                     self.stop_texts[episode.ids[-1]], self.options)
+            inserted = tool_turn_ids(self.tokenizer, episode.prompt_messages + episode.messages, tool_messages,
+                                     self.pool.schemas, self.stop_texts[episode.ids[-1]], self.options)
             episode.ids += inserted
             episode.trained += [0] * len(inserted)
             episode.messages += tool_messages
@@ -264,8 +302,9 @@ class EvalEpisodes:
         rows = self.validation.select(index.tolist())
         messages = [prompt_messages(json.loads(prompt)) for prompt in rows["prompt_messages"]]
         episodes = self.episodes.roll(model, rows["prompt_ids"], [1] * len(rows), messages,
-                                      lambda turn: [0] * len(rows), self.sample, sharded=is_sharded(model))
-        scores = score_replies(self.rewards, rows, [episode.messages for episode in episodes])
+                                      lambda turn: [0] * len(rows), self.sample, rows=row_columns(rows),
+                                      sharded=is_sharded(model))
+        scores = score_episodes(self.rewards, rows, episodes)
         width = self.episodes.args.max_completion_length
         own = [[t for t, trained in zip(e.ids, e.trained, strict=True) if trained] for e in episodes]
         tokens = torch.tensor([ids + [IGNORE] * (width - len(ids)) for ids in own], device=index.device)

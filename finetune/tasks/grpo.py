@@ -42,7 +42,7 @@ from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
 from finetune.tasks.causal_lm import ChatModelArguments, cache_keyword, reply_log_probs
 from finetune.tasks.chat import check_conversation, render_prompts, rows_tools
-from finetune.tasks.episodes import Episode, Episodes, prompt_messages
+from finetune.tasks.episodes import Episode, Episodes, prompt_messages, row_columns, score_episodes
 from finetune.tasks.rewards import RewardFailures, RewardPool, check_reward_specs
 from finetune.tasks.scoring import RewardJudge, failed_table, reward_names, score_replies
 from finetune.tasks.tools import ERROR_KINDS, check_tool_specs
@@ -96,6 +96,10 @@ class GRPOArguments(ChatModelArguments):
     tools: list[str] = arg([], "Tools the model may call, each module:function (a module name or a .py file): "
                                "functions with type hints and a docstring, run in worker processes. A reply's calls "
                                "run and their results come back as tool messages: episodes of several turns.")
+    environment: str | None = arg(None, "A class, module:Class, with one instance per episode (TRL's "
+                                        "environment_factory): reset(**row) starts it and may return a first "
+                                        "observation (added to the prompt's last message); its public methods are "
+                                        "tools; reward functions get the instances as environments=.")
     max_turns: int | None = arg(None, "With --tools: the most replies in an episode (default: as many as "
                                       "--max_completion_length's sampled tokens allow).")
     tool_timeout: float = arg(30.0, "Seconds a tool call may take before it fails (its worker process is replaced); "
@@ -119,8 +123,8 @@ class GRPOArguments(ChatModelArguments):
                             "give one weight each")
         self.weights = np.array(self.reward_weights or [1.0] * len(self.reward_funcs))
         self.max_new_tokens = self.max_completion_length  # the evaluation's replies are as long as the completions
-        if self.tools:
-            check_tool_specs(self.tools)
+        if self.tools or self.environment:
+            check_tool_specs(self.tools, self.environment)
         if self.max_turns is not None and self.max_turns < 1:
             raise UserError(f"--max_turns is {self.max_turns}; an episode has at least 1 reply (leave it unset for "
                             "as many as --max_completion_length allows)")
@@ -485,7 +489,7 @@ class Rollouts:
         advantages = group_advantages(shared["rewards"], self.weights, self.args.num_generations,
                                       self.args.scale_rewards, shared["failed"])
         self.judge.judge_scored(advantages.rewards)
-        micro_batches = self._micro_batches(model, rows, episodes, shared, advantages.advantages, device,
+        micro_batches = self._micro_batches(model, episodes, shared, advantages.advantages, device,
                                             [planned for _, planned in one_pass])
         tool_seconds = self.episodes.take_tool_seconds() if self.episodes else None
         self._note_rollout(shared, advantages, sampled - started, scored - sampled, tool_seconds)
@@ -525,13 +529,14 @@ class Rollouts:
 
         sample = functools.partial(sample_completions, temperature=self.args.temperature, top_p=self.args.top_p,
                                    pad_token_id=self.pad)
+        prompts = prompted["prompt_ids"]
         if self.episodes is None:
-            completions = sample(model, prompted["prompt_ids"], counts, seeds(0),
-                                 max_new_tokens=self.args.max_completion_length)
-            return [Episode(ids=c, trained=[1] * len(c), truncated=not c or c[-1] not in self.stop_ids)
-                    for c in completions]
+            completions = sample(model, prompts, counts, seeds(0), max_new_tokens=self.args.max_completion_length)
+            return [Episode(prompts[i], [], ids=c, trained=[1] * len(c), truncated=not c or c[-1] not in self.stop_ids)
+                    for c, i in zip(completions, (i for i, count in enumerate(counts) for _ in range(count)),
+                                    strict=True)]
         messages = [prompt_messages(json.loads(prompt)) for prompt in prompted["prompt_messages"]]
-        return self.episodes.roll(model, prompted["prompt_ids"], counts, messages, seeds, sample,
+        return self.episodes.roll(model, prompts, counts, messages, seeds, sample, rows=row_columns(prompted),
                                   sharded=is_sharded(model))
 
     def _positions(self) -> list[int]:
@@ -544,10 +549,10 @@ class Rollouts:
         """``(rewards, failed)``, each ``[completions, functions]``: NaN where a function did not score a completion,
         1 where it failed. An episode with tools is scored as its messages, TRL's completion of a tool run."""
         if self.episodes is None:
-            replies = self.tokenizer.batch_decode([e.ids for e in episodes], skip_special_tokens=True)
+            texts = self.tokenizer.batch_decode([e.ids for e in episodes], skip_special_tokens=True)
+            scores = score_replies(self.pool, self.prompts.select(rows), texts)
         else:
-            replies = [e.messages for e in episodes]
-        scores = score_replies(self.pool, self.prompts.select(rows), replies)
+            scores = score_episodes(self.pool, self.prompts.select(rows), episodes)
         self.failures.add(scores, rows=[row + 1 for row in rows])
         return scores.values, failed_table(scores, self.pool)
 
@@ -584,7 +589,7 @@ class Rollouts:
         self.judge.judge_failures(shared["failed"].sum(0), len(table))
         return shared
 
-    def _micro_batches(self, model, rows: list[int], episodes: list[Episode], shared: dict,
+    def _micro_batches(self, model, episodes: list[Episode], shared: dict,
                        advantages: torch.Tensor, device: torch.device, planned: list[PlannedBatch]
                        ) -> list[tuple[dict, PlannedBatch]]:
         """Each micro-batch's prompts (each once) and completions (``finetune.tasks.causal_lm.reply_log_probs``'s
@@ -597,8 +602,8 @@ class Rollouts:
         for m, share in enumerate(planned):
             mine = range(m * self.per_device_batch_size, (m + 1) * self.per_device_batch_size)
             # A prompt's completions sit together (its group, or this process's part of it): one row each run.
-            runs = [(row, len(list(group))) for row, group in itertools.groupby(rows[i] for i in mine)]
-            prompts = self.prompts.select([row for row, _ in runs])["prompt_ids"]
+            runs = [(prompt, len(list(group))) for prompt, group in itertools.groupby(episodes[i].prompt for i in mine)]
+            prompts = [prompt for prompt, _ in runs]
             prompt_ids, prompt_mask = _right_padded(prompts, self.pad, max(map(len, prompts)))
             reply_ids, reply_mask = _right_padded([episodes[i].ids for i in mine], self.pad, width)
             where = [shared["positions"][i] for i in mine]  # the rows' places in the window's global order

@@ -142,7 +142,9 @@ class RewardPool(WorkerPool):
     """Worker processes that score completions with the reward functions ``specs``; use it as a context manager.
 
     Each worker imports every function, so ``workers`` of them (one per function by default) run different
-    functions on the same batch at once; ``timeout`` and ``passed_environment`` as ``WorkerPool``'s.
+    functions on the same batch at once; ``timeout`` and ``passed_environment`` as ``WorkerPool``'s. With an
+    ``environment`` class (``finetune.tasks.tools``), a column ``environments`` of pickled instances reaches the
+    functions unpickled, TRL's ``environments=``.
 
     Raises:
         UserError: a worker cannot load the functions (see ``load_reward_funcs``) or does not start within
@@ -150,9 +152,9 @@ class RewardPool(WorkerPool):
     """
 
     def __init__(self, specs: Sequence[str], workers: int | None = None, timeout: float = 60.0,
-                 passed_environment: Sequence[str] = ()):
+                 passed_environment: Sequence[str] = (), environment: str | None = None):
         super().__init__(specs, kind=REWARD_FUNCTION, handler=__name__, workers=workers, timeout=timeout,
-                         passed_environment=passed_environment)
+                         passed_environment=passed_environment, preload=[environment] if environment else [])
 
     def score(self, prompts: Sequence, completions: Sequence, columns: Mapping[str, Sequence] | None = None
               ) -> RewardScores:
@@ -266,6 +268,8 @@ def serve(func: Callable[..., Any], mode: str, payload: bytes) -> tuple[str, Any
     """A reward call in a worker: ``("values", [float, None or reason per row])``, or ``("failed", reason)`` for
     a ``batch`` call that raised or returned the wrong number of rewards; ``rows`` calls it row by row."""
     prompts, completions, columns = pickle.loads(payload)
+    if "environments" in columns:
+        columns["environments"] = [pickle.loads(state) for state in columns["environments"]]
     if mode == "batch":
         try:
             outcomes = _outcomes(func(prompts=prompts, completions=completions, **columns), len(completions))

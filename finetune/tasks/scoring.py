@@ -36,16 +36,20 @@ def reward_names(specs: list[str]) -> list[str]:
     return [name if names.count(name) == 1 else spec for name, spec in zip(names, specs, strict=True)]
 
 
-def score_replies(pool: RewardPool, rows: datasets.Dataset, texts: list[str] | list[list[dict]]) -> RewardScores:
+def score_replies(pool: RewardPool, rows: datasets.Dataset, texts: list[str] | list[list[dict]],
+                  prompts: list | None = None, environments: list[bytes] | None = None) -> RewardScores:
     """The reward functions' scores of the replies ``texts`` to the prompts ``rows`` (of ``tokenize_prompts``), each
-    function given what TRL gives it: the prompts as the data has them, the completions (a conversation's as a list
-    holding the assistant's message; an episode with tools as its messages, given as such) and the rows' other
-    columns."""
-    prompts = [json.loads(p) for p in rows["prompt_messages"]]
+    function given what TRL gives it: the prompts as the data has them (or ``prompts``: an environment's first
+    observation added), the completions (a conversation's as a list holding the assistant's message; an episode
+    with tools as its messages, given as such), the rows' other columns, and ``environments`` (pickled states)."""
+    prompts = prompts or [json.loads(p) for p in rows["prompt_messages"]]
     replies = [text if isinstance(prompt, str) or isinstance(text, list) else [{"role": "assistant", "content": text}]
                for prompt, text in zip(prompts, texts, strict=True)]
     columns = [json.loads(c) for c in rows["columns"]]
-    return pool.score(prompts, replies, {key: [c[key] for c in columns] for key in (columns[0] if columns else ())})
+    columns = {key: [c[key] for c in columns] for key in (columns[0] if columns else ())}
+    if environments is not None:
+        columns["environments"] = environments
+    return pool.score(prompts, replies, columns)
 
 
 def check_rewards_on(pool: RewardPool, row: dict) -> None:

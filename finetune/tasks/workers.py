@@ -226,7 +226,8 @@ class WorkerPool:
     ``passed_environment``. A call that takes more than ``timeout`` seconds fails and its worker is killed and
     replaced; so is one whose worker dies. Workers die with the thread that started them (Linux's parent-death
     signal), so start and use the pool from one thread that lives as long as it. ``described`` is what the
-    handler's ``ready`` said of the functions in the first worker.
+    handler's ``ready`` said of the functions in the first worker. ``preload`` names more that the workers load
+    but do not call: the classes of objects that calls unpickle.
 
     Raises:
         UserError: a worker cannot load the functions (see ``load_funcs``), the handler's ``ready`` refuses them, or
@@ -234,7 +235,7 @@ class WorkerPool:
     """
 
     def __init__(self, specs: Sequence[str], *, kind: FunctionKind, handler: str, workers: int | None = None,
-                 timeout: float = 60.0, passed_environment: Sequence[str] = ()):
+                 timeout: float = 60.0, passed_environment: Sequence[str] = (), preload: Sequence[str] = ()):
         if not specs:
             raise ValueError(f"a pool of {kind.noun}s needs at least one")
         if (workers is not None and workers < 1) or not timeout > 0:
@@ -245,6 +246,7 @@ class WorkerPool:
         self._environment = {name: value for name, value in os.environ.items()
                              if name in passed or name.startswith(("LC_", "PYTHON"))}
         self._init = {"specs": [_resolved(spec, kind) for spec in specs], "kind": dataclasses.astuple(kind),
+                      "preload": [_resolved(spec, kind) for spec in preload],
                       "handler": handler,
                       "sys_path": list(sys.path), "pythonpath": os.environ.get("PYTHONPATH"), "parent": os.getpid()}
         self._selector = selectors.DefaultSelector()
@@ -455,6 +457,7 @@ def _worker() -> None:
     handler = importlib.import_module(init["handler"])
     try:
         funcs = load_funcs(init["specs"], FunctionKind(*init["kind"]))
+        load_funcs(init["preload"], FunctionKind(*init["kind"]))
         described = handler.ready(funcs, init["specs"])
     except UserError as err:
         _write_frame(replies, ("error", f"in a {init['kind'][1]} worker process: {err}"))
