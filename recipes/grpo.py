@@ -25,7 +25,7 @@ from finetune.errors import UserError, run_main
 from finetune.models.loading import default_chat_model_path
 from finetune.recipe import run_recipe
 from finetune.task import TaskSetup
-from finetune.tasks import causal_lm, grpo, scoring
+from finetune.tasks import causal_lm, grpo, rollout, scoring
 from finetune.tasks.episodes import Episodes, EvalEpisodes, response_template, row_columns
 from finetune.tasks.grpo import GRPOArguments
 from finetune.tasks.preference import Reference, load_causal_lm
@@ -43,7 +43,7 @@ prompts is 40 steps, and the routing reward for the embedded prompts."""
 
 class GRPOTask(causal_lm.ChatTask):
     name, what = "grpo", "reinforcement learning with verifiable rewards (GRPO)"
-    tokenizing_code = ("finetune.tasks.grpo", "finetune.tasks.chat", "finetune.data.sources",
+    tokenizing_code = ("finetune.tasks.grpo", "finetune.tasks.episodes", "finetune.tasks.chat", "finetune.data.sources",
                        "finetune.data.embedded", "finetune.data.embedded.support_chats",
                        "finetune.data.embedded.support_tickets")
     pool = tools = episodes = replies = None
@@ -85,20 +85,20 @@ class GRPOTask(causal_lm.ChatTask):
         model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
                                trust_remote_code=cfg.trust_remote_code, **args.loading_options(cfg))
         model, adapters = causal_lm.adapt_chat_model(model, args, tokenizer)
-        self.rollouts = grpo.Rollouts(
+        self.rollouts = rollout.Rollouts(
             args, data.train, tokenizer, self.pool, args.weights.tolist(),
             model.generation_config.eos_token_id, world_size=env.world_size, rank=env.rank,
             per_device_batch_size=cfg.per_device_train_batch_size, accumulation_steps=cfg.gradient_accumulation_steps,
             seed=cfg.seed, reference=Reference(model, precision=causal_lm.run_precision(cfg)) if args.beta else None,
             kept=Path(cfg.output_dir) / self.run_files[env.rank], episodes=episodes)
         if episodes:
-            self.episodes = EvalEpisodes(episodes, data.validation, self.pool, args.weights, grpo.greedy_sampling(
+            self.episodes = EvalEpisodes(episodes, data.validation, self.pool, args.weights, rollout.greedy_sampling(
                 self.rollouts.pad))
         else:
             self.replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
                                                  SUPPORT_PROMPTS.score_replies, count=len(data.validation))
         train_set = TokenizedDataset(data.train, ["index"])
-        sampler = grpo.RolloutSampler(train_set.lengths, cfg.per_device_train_batch_size, env.world_size,
+        sampler = rollout.RolloutSampler(train_set.lengths, cfg.per_device_train_batch_size, env.world_size,
                                       seed=cfg.seed, accumulation_steps=cfg.gradient_accumulation_steps,
                                       num_generations=args.num_generations, num_iterations=args.num_iterations)
         if not sampler.windows:

@@ -37,6 +37,7 @@ from finetune.tasks.causal_lm import (
     summed_log_probs,
 )
 from finetune.tasks.chat import preview_rows, split_conversations, tokenize_conversations
+from finetune.tasks.tools import ToolPool, check_tool_specs
 
 DEFAULTS = {"output_dir": "outputs/sft", "num_train_epochs": 2, "learning_rate": 1e-3, "per_device_train_batch_size": 8,
             "max_seq_length": 1024}
@@ -49,6 +50,13 @@ class SFTArguments(ChatModelArguments):
                                      "attention kept within each example; --no_packing pads batches grouped by "
                                      "length. Default: packed where flash-attention's variable-length kernels run "
                                      "(a GPU with flash-attn), padded elsewhere, where that measured faster.")
+    tools: list[str] = arg([], "Tools the conversations call, each module:function (as GRPO's --tools): their JSON "
+                               "schemas go to the chat template as tools= for every row without a tools column, so "
+                               "that the model learns to call them as GRPO will prompt it to.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_tool_specs(self.tools)
 
 
 class SFTTask(ChatTask):
@@ -56,15 +64,23 @@ class SFTTask(ChatTask):
     tokenizing_code = ("finetune.tasks.chat", "finetune.data.sources", "finetune.data.embedded",
                        "finetune.data.embedded.support_chats", "finetune.data.embedded.support_tickets")
 
+    schemas = None
+
     def load_data(self, cfg):
+        if self.args.tools and self.schemas is None:  # described in a worker: the trainer imports no user code
+            with ToolPool(self.args.tools) as tools:
+                self.schemas = tools.schemas
         return load_splits(cfg, SUPPORT_CHATS)
+
+    def data_options(self, cfg):
+        return {**super().data_options(cfg), "tools": self.schemas}
 
     def tokenize(self, raw, tokenizer, cfg, tokenizing):
         options = self.args.template_options
         train = tokenize_conversations(raw["train"], tokenizer, cfg.max_seq_length, "train", tokenizing,
-                                       template_options=options)
+                                       template_options=options, tools=self.schemas)
         tokenize_conversations(raw["validation"], tokenizer, cfg.max_seq_length, "validation", tokenizing,
-                               generation_prompts=True, template_options=options)
+                               generation_prompts=True, template_options=options, tools=self.schemas)
         return {"answers": SUPPORT_CHATS.answers(raw, cfg), "split": split_conversations(train)}
 
     def setup(self, cfg, tokenizer, data):

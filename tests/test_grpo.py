@@ -34,14 +34,13 @@ from safetensors.torch import load_file
 from finetune.data.embedded.support_chats import make_support_prompts
 from finetune.errors import UserError
 from finetune.tasks.grpo import (
-    RolloutSampler,
     check_grpo_options,
     check_whole_groups,
     completion_loss_units,
     group_advantages,
     policy_loss,
-    sample_completions,
 )
+from finetune.tasks.rollout import RolloutSampler, sample_completions
 
 NAN = math.nan
 

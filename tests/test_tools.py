@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 import pytest
 import trl
-from helpers import load_recipe, log_history, read_jsonl, read_results, refused_here, run_on
+from helpers import load_recipe, log_history, read_jsonl, read_results, refused_here, run_on, train_here
 from safetensors.torch import load_file
 
 from finetune.errors import UserError
@@ -285,6 +285,24 @@ def test_a_call_that_does_not_parse_gets_an_error_to_read_and_a_reply_without_tu
     assert sum(episode.trained) == len(broken) + len(unknown)
 
 
+def test_the_chat_recipe_gives_the_tools_schemas_to_rows_without_their_own(tiny_chat_model, chat_tokenizer, shop,
+                                                                          tmp_path):
+    """The conversations an SFT step before GRPO trains on render with the tools GRPO will prompt with."""
+    data = tmp_path / "calls.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    out = tmp_path / "out"
+    train_here("sft", "--model_name_or_path", str(tiny_chat_model), "--chat_template", "qwen2_5", "--tools",
+               f"{shop}:lookup_order", "--train_file", str(data), "--validation_file", str(data), "--output_dir",
+               str(out), "--prepare_only", "--preview_rows", "1")
+    (preview,) = read_jsonl(out / "data_preview.jsonl")
+    with ToolPool([f"{shop}:lookup_order"]) as pool:
+        tokenizer = copy.deepcopy(chat_tokenizer)
+        tokenizer.chat_template = (TEMPLATES / "qwen2_5.jinja").read_text()
+        expected = tokenizer.apply_chat_template(CONVERSATION, tools=pool.schemas, tokenize=False)
+    assert preview["text"] == expected
+    assert '"name": "lookup_order"' in preview["text"] and preview["trained"][0].startswith("<tool_call>")
+
+
 # -- refusals, before the model loads
 
 @pytest.fixture(scope="module")
@@ -300,7 +318,7 @@ def test_bad_tools_and_turns_are_refused_before_the_model_loads(tiny_chat_model,
     main = load_recipe("grpo").main
     base = [*orders, "--model_name_or_path", str(tiny_chat_model), "--output_dir", str(tmp_path / "out"),
             "--reward_funcs", f"{shop}:states_the_status"]
-    qwen = ["--chat_template", str(TEMPLATES / "qwen2_5.jinja")]
+    qwen = ["--chat_template", "qwen2_5"]  # TRL's, by name
     refused_here(main, [*base, *qwen, "--tools", f"{shop}:refund"], capsys, "tool", "has no 'refund'",
                  "lookup_order")
     refused_here(main, [*base, *qwen, "--tools", f"{shop}:no_hints"], capsys, "missing a type hint")
@@ -308,7 +326,9 @@ def test_bad_tools_and_turns_are_refused_before_the_model_loads(tiny_chat_model,
                  "--max_turns is 0")
     # SmolLM2's own template has no tools
     refused_here(main, [*base, "--tools", f"{shop}:lookup_order"], capsys,
-                 "writes tool calls in a form not parsed here", "qwen2_5.jinja")
+                 "writes tool calls in a form not parsed here", "--chat_template a template of that form")
+    refused_here(main, [*base, "--chat_template", "qwen9", "--tools", f"{shop}:lookup_order"], capsys,
+                 "--chat_template qwen9: no such file, nor a template TRL ships", "qwen2_5")
     assert not (tmp_path / "out").exists()
 
 

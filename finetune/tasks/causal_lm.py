@@ -62,7 +62,8 @@ class CausalLMArguments:
 class ChatModelArguments(CausalLMArguments, LoraArguments):
     """Options of the recipes that tune a chat model with LoRA (chat, preference tuning)."""
 
-    chat_template: str | None = arg(None, "A Jinja chat template file, for a model that has none.")
+    chat_template: str | None = arg(None, "A Jinja chat template file, or the name of one TRL ships (qwen2_5, "
+                                          "llama3_1, ...), in place of the model's own (or for one that has none).")
     chat_template_kwargs: str | None = arg(None, "Options for the chat template at every rendering, as JSON: "
                                                  "'{\"enable_thinking\": false}' (the evaluation's prompts too).")
     use_lora: bool = arg(True, "Train LoRA adapters only; --no_use_lora fine-tunes every weight.")

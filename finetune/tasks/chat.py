@@ -13,8 +13,10 @@ reply in its inference context. Every key of a message reaches the template unch
 from __future__ import annotations
 
 import bisect
+import importlib.util
 import json
 import os
+import re
 from collections import defaultdict
 
 import datasets
@@ -141,20 +143,38 @@ def require_chat_template(tokenizer: PreTrainedTokenizerBase, template_file: str
         UserError: the file is missing, or the tokenizer still has no template.
     """
     if template_file:
-        if not os.path.isfile(template_file):
-            raise UserError(f"--chat_template {template_file}: no such file; give a Jinja template file")
-        with open(template_file, encoding="utf-8") as f:
+        with open(_template_path(template_file), encoding="utf-8") as f:
             tokenizer.chat_template = f.read()
     if not tokenizer.chat_template:
         raise UserError(f"{model} has no chat template; give one with --chat_template FILE")
 
 
+def _template_path(template: str) -> str:
+    """``--chat_template``'s file: the path given, or the template TRL ships by that name (``qwen2_5``, ...)."""
+    if os.path.isfile(template):
+        return template
+    if re.fullmatch(r"[a-z0-9_]+", template):
+        spec = importlib.util.find_spec("trl")
+        if spec is None:
+            raise UserError(f"--chat_template {template}: no such file, and TRL, which ships templates by that name, "
+                            "is not installed; give a Jinja template file, or pip install trl")
+        bundled = os.path.join(os.path.dirname(spec.origin), "chat_templates", f"{template}.jinja")
+        if os.path.isfile(bundled):
+            return bundled
+        names = sorted(name.removesuffix(".jinja") for name in os.listdir(os.path.dirname(bundled)))
+        raise UserError(f"--chat_template {template}: no such file, nor a template TRL ships (it ships "
+                        f"{', '.join(names)}); give a Jinja template file or one of those names")
+    raise UserError(f"--chat_template {template}: no such file; give a Jinja template file, or the name of a "
+                    "template TRL ships (qwen2_5, ...)")
+
+
 def tokenize_conversations(split: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int, name: str,
                            tokenizing: Tokenizing, generation_prompts: bool = False,
-                           template_options: dict | None = None) -> datasets.Dataset:
+                           template_options: dict | None = None, tools: list[dict] | None = None) -> datasets.Dataset:
     """Input ids cut to ``max_length``, labels on the replies' tokens only (``render_rows``), the trained tokens of
     each row as its loss units, and ``conversation``, the row of ``split`` it came from (a conversation whose template
-    rewrites its history gives several rows). ``template_options`` go to every rendering (``enable_thinking``, ...).
+    rewrites its history gives several rows). ``template_options`` go to every rendering (``enable_thinking``, ...);
+    ``tools`` (JSON schemas) to the rendering of each row without a ``tools`` column of its own.
 
     With ``generation_prompts`` each row also keeps what asks a model for its last reply: ``prompt_ids`` (the
     conversation before it rendered with the generation prompt), ``prompt_messages`` (those messages, as JSON) and
@@ -167,8 +187,9 @@ def tokenize_conversations(split: datasets.Dataset, tokenizer: PreTrainedTokeniz
     layout = conversation_layout(split, name)
 
     def encode(batch, rows):
-        conversations, tools = read_conversations(batch, rows, layout, name)
-        rendered = render_rows(conversations, tokenizer, [f"{name} row {row + 1}" for row in rows], tools,
+        conversations, listed = read_conversations(batch, rows, layout, name)
+        listed = [json.dumps(tools) if given is None and tools else given for given in listed]
+        rendered = render_rows(conversations, tokenizer, [f"{name} row {row + 1}" for row in rows], listed,
                                template_options)
         flat = [(row, messages, *made) for row, messages, made_rows in zip(rows, conversations, rendered, strict=True)
                 for made in made_rows]

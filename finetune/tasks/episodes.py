@@ -83,14 +83,14 @@ def response_template(tokenizer, options: dict | None = None) -> dict:
         plain = tokenizer.apply_chat_template(_PROBE[:1], tokenize=False, **options)
     except (jinja2.TemplateError, TypeError, ValueError) as err:
         raise UserError(f"--tools: the chat template cannot render a tool call ({type(err).__name__}: "
-                        f"{str(err)[:200]}); give --chat_template a template with tools, such as Qwen2.5's "
-                        "(TRL ships it as trl/chat_templates/qwen2_5.jinja)") from None
+                        f"{str(err)[:200]}); give --chat_template a template with tools, such as "
+                        "qwen2_5 (TRL's Qwen2.5 template, by name)") from None
     calls = [_json_or_none(found) for found in _HERMES_CALL.findall(rendered)]
     if not any(call is not None and call.get("name") == _PROBE_CALL["name"] for call in calls):
         raise UserError("--tools: the chat template writes tool calls in a form not parsed here (only <tool_call> "
                         "JSON blocks, Qwen2.5's and Qwen3's form, and tokenizers with a response_template are); give "
-                        "--chat_template a template of that form, such as Qwen2.5's (TRL ships it as "
-                        "trl/chat_templates/qwen2_5.jinja), see docs/grpo.md")
+                        "--chat_template a template of that form, such as qwen2_5 (TRL's Qwen2.5 template, by name); "
+                        "see docs/grpo.md")
     stop_text = tokenizer.decode(end_of_turn_ids(tokenizer, options)[-1:])
     start = prompt[len(plain):] if prompt.startswith(plain) else prompt[len(prompt.rstrip().rpartition("\n")[0]):]
     return {"defaults": {"role": "assistant"},
