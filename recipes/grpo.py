@@ -46,7 +46,12 @@ class GRPOTask(causal_lm.ChatTask):
     tokenizing_code = ("finetune.tasks.grpo", "finetune.tasks.episodes", "finetune.tasks.chat", "finetune.data.sources",
                        "finetune.data.embedded", "finetune.data.embedded.support_chats",
                        "finetune.data.embedded.support_tickets")
-    pool = tools = episodes = replies = None
+    pool = tools = eval_episodes = replies = None
+
+    def __init__(self, args):
+        super().__init__(args)
+        # An agent's held-out success before GRPO (after the chat recipe's step) is what GRPO is measured against.
+        self.evaluate_first = bool(args.tools or args.environment)
 
     def load_tokenizer(self, cfg):
         tokenizer = super().load_tokenizer(cfg)
@@ -79,9 +84,9 @@ class GRPOTask(causal_lm.ChatTask):
         self.run_files = tuple(f"rollout-rank{rank}.pt" for rank in range(env.world_size))  # (num_iterations > 1)
         self.pool = RewardPool(args.reward_funcs, timeout=args.reward_timeout, passed_environment=args.reward_env,
                                environment=args.environment)
-        if args.environment:  # one that cannot start is refused before the model loads
-            self.tools.reset(row_columns(data.train.select([0])))
-        scoring.check_rewards_on(self.pool, data.train[0])
+        # an environment that cannot start is refused before the model loads; the rewards check gets it started
+        started = self.tools.reset(row_columns(data.train.select([0])))[0][1] if args.environment else None
+        scoring.check_rewards_on(self.pool, data.train[0], environment=started)
         model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
                                trust_remote_code=cfg.trust_remote_code, **args.loading_options(cfg))
         model, adapters = causal_lm.adapt_chat_model(model, args, tokenizer)
@@ -92,8 +97,8 @@ class GRPOTask(causal_lm.ChatTask):
             seed=cfg.seed, reference=Reference(model, precision=causal_lm.run_precision(cfg)) if args.beta else None,
             kept=Path(cfg.output_dir) / self.run_files[env.rank], episodes=episodes)
         if episodes:
-            self.episodes = EvalEpisodes(episodes, data.validation, self.pool, args.weights, rollout.greedy_sampling(
-                self.rollouts.pad))
+            self.eval_episodes = EvalEpisodes(episodes, data.validation, self.pool, args.weights,
+                                              rollout.greedy_sampling(self.rollouts.pad))
         else:
             self.replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
                                                  SUPPORT_PROMPTS.score_replies, count=len(data.validation))
@@ -127,19 +132,19 @@ class GRPOTask(causal_lm.ChatTask):
             self.rollouts.judge.load_state_dict(state["reward_judge"])
 
     def eval_outputs(self, model, batch):
-        if self.episodes:  # scored where they ran: the messages and the tools' state stay there
-            return self.episodes.outputs(model, batch["index"])
+        if self.eval_episodes:  # scored where they ran: the messages and the tools' state stay there
+            return self.eval_episodes.outputs(model, batch["index"])
         return (self.replies.generate(model, batch["index"]),)
 
     def metrics(self, outputs):
-        if self.episodes:
-            return self.episodes.metrics(outputs)
+        if self.eval_episodes:
+            return self.eval_episodes.metrics(outputs)
         texts = self.replies.texts(outputs[0])
         return {**scoring.eval_rewards(self.pool, self.replies.prompted, texts, self.args.weights),
                 **self.replies.metrics(outputs[0])}
 
     def write_predictions(self, outputs, output_dir):
-        (self.episodes or self.replies).write(outputs[0] if self.replies else outputs, output_dir)
+        (self.eval_episodes or self.replies).write(outputs[0], output_dir)
 
     def close(self):
         for pool in (self.pool, self.tools):

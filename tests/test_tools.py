@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import datasets
@@ -18,6 +19,7 @@ from finetune.errors import UserError
 from finetune.tasks.chat import end_of_turn_ids
 from finetune.tasks.episodes import Episodes, score_episodes
 from finetune.tasks.rewards import RewardPool
+from finetune.tasks.scoring import check_rewards_on
 from finetune.tasks.tools import ERROR_KINDS, ToolCall, ToolPool
 
 TEMPLATES = Path(trl.__file__).parent / "chat_templates"
@@ -165,6 +167,8 @@ def test_an_environment_starts_per_episode_keeps_its_state_across_calls_and_rewa
         table = datasets.Dataset.from_list([{"prompt_messages": json.dumps(rows[0]["prompt"]),
                                              "columns": json.dumps({"order_id": "A1"})}] * 2)
         scores = score_episodes(rewards, table, rolled)
+        # the check before training calls a function that reads environments with a started one
+        check_rewards_on(rewards, table[0], environment=tools.reset(rows)[0][1])
     for episode in rolled:
         assert episode.prompt_messages == [{"role": "user", "content": "Where is my order? (order A1)"}]
         assert tokenizer.decode(episode.prompt).endswith("Where is my order? (order A1)<|im_end|>\n"
@@ -260,7 +264,7 @@ def test_an_episode_is_the_ids_sampled_and_the_templates_tool_turns_between_them
     assert (prompt_ids + episode.ids == final_ids) == (family not in PREFIX_CHANGING)
 
 
-def test_a_call_that_does_not_parse_gets_an_error_to_read_and_a_reply_without_turns_left_is_truncated(
+def test_a_call_without_arguments_or_that_does_not_parse_gets_an_error_to_read_and_no_turn_left_truncates(
         chat_tokenizer, lookup):
     tokenizer = copy.deepcopy(chat_tokenizer)
     tokenizer.chat_template = (TEMPLATES / "qwen2_5.jinja").read_text()
@@ -269,20 +273,23 @@ def test_a_call_that_does_not_parse_gets_an_error_to_read_and_a_reply_without_tu
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     class Args:
-        max_completion_length, max_turns = 200, 2
+        max_completion_length, max_turns = 200, 3
 
+    bare = ids('<tool_call>\n{"name": "lookup_order"}\n</tool_call><|im_end|>')
     broken = ids('<tool_call>\n{"name": lookup_order}\n</tool_call><|im_end|>')
     unknown = ids('<tool_call>\n{"name": "refund", "arguments": {}}\n</tool_call><|im_end|>')
     episodes = Episodes(Args, tokenizer, lookup)
     prompt = ids(tokenizer.apply_chat_template(CONVERSATION[:1], tools=lookup.schemas, add_generation_prompt=True,
                                                tokenize=False))
     (episode,) = episodes.roll(None, [prompt], [1], [CONVERSATION[:1]], lambda turn: [turn],
-                               Scripted([broken, unknown]))
-    assert (episode.turns, episode.tool_calls, episode.truncated) == (2, 1, True)
-    assert dict(episode.errors) == {"unparsed": 1}
-    assert episode.messages[1]["role"] == "tool" and "does not parse" in episode.messages[1]["content"]
-    assert episode.messages[2]["tool_calls"][0]["function"]["name"] == "refund"  # no turn left to read its error
-    assert sum(episode.trained) == len(broken) + len(unknown)
+                               Scripted([bare, broken, unknown]))
+    assert (episode.turns, episode.tool_calls, episode.truncated) == (3, 2, True)
+    assert dict(episode.errors) == {"raised": 1, "unparsed": 1}
+    assert episode.messages[0]["tool_calls"][0]["function"] == {"name": "lookup_order", "arguments": {}}
+    assert "missing 1 required positional argument: 'order_id'" in episode.messages[1]["content"]
+    assert episode.messages[3]["role"] == "tool" and "does not parse" in episode.messages[3]["content"]
+    assert episode.messages[4]["tool_calls"][0]["function"]["name"] == "refund"  # no turn left to read its error
+    assert sum(episode.trained) == len(bare) + len(broken) + len(unknown)
 
 
 def test_the_chat_recipe_gives_the_tools_schemas_to_rows_without_their_own(tiny_chat_model, chat_tokenizer, shop,
@@ -391,20 +398,24 @@ TOOL_FLAGS = ["--max_completion_length", "48", "--num_generations", "4", "--logg
 @pytest.fixture(scope="module")
 def tool_runs(tool_model, shop, orders, tmp_path_factory) -> dict[str, Path]:
     """4 steps of 8 episodes (2 prompts x 4), two passes over each rollout and a KL term: on 1 process, on 1 with
-    accumulation 2, on 2 processes under each launcher, and sharded (``--fsdp``); checkpoints every 2 steps. Under
-    torchrun the tool is an environment's method (``Orders``), elsewhere the function."""
+    accumulation 2, on 2 processes under torchrun, and sharded (``--fsdp``); checkpoints every 2 steps. Under
+    torchrun the tool is an environment's method (``Orders``), elsewhere the function. (The single-turn parity runs
+    cover ``accelerate launch``: the rollouts are the runtimes'.)"""
     tools = ["--tools", f"{shop}:lookup_order"]
     environment = ["--environment", f"{shop}:Orders"]
     outs = {name: tmp_path_factory.mktemp("tools") / name
-            for name in ("one", "accumulation", "accelerate", "torchrun", "fsdp")}
+            for name in ("one", "accumulation", "torchrun", "fsdp")}
     flags = [*TOOL_FLAGS, "--reward_funcs", f"{shop}:states_the_status"]
-    run_on("grpo", tool_model, orders, outs["one"], *flags, *tools, "--per_device_train_batch_size", "8")
-    run_on("grpo", tool_model, orders, outs["accumulation"], *flags, *tools, "--per_device_train_batch_size", "4",
-           "--gradient_accumulation_steps", "2")
-    for name, launcher, given in (("accelerate", "accelerate", tools), ("torchrun", "torchrun", environment),
-                                  ("fsdp", "torchrun", [*environment, "--fsdp"])):
-        run_on("grpo", tool_model, orders, outs[name], *flags, *given, "--per_device_train_batch_size", "4",
-               launcher=launcher, processes=2)
+    runs = {"one": run_on("grpo", tool_model, orders, outs["one"], *flags, *tools,
+                          "--per_device_train_batch_size", "8"),
+            "accumulation": run_on("grpo", tool_model, orders, outs["accumulation"], *flags, *tools,
+                                   "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2")}
+    for name, sharded in (("torchrun", []), ("fsdp", ["--fsdp"])):
+        runs[name] = run_on("grpo", tool_model, orders, outs[name], *flags, *environment, *sharded,
+                            "--per_device_train_batch_size", "4", launcher="torchrun", processes=2)
+    for name, run in runs.items():  # the evaluation before training, which the trackers get as step 0
+        (outs[name] / "before_training.txt").write_text(
+            next(line for line in run.stdout.splitlines() if line.startswith("before training:")))
     return outs
 
 
@@ -418,15 +429,19 @@ TOOL_FIGURES = ["reward", "reward_std", "completions/mean_length", "completions/
 def test_every_layout_samples_the_same_episodes_calls_the_same_tools_and_trains_alike(tool_runs):
     reference = log_history(tool_runs["one"])
     assert [h["step"] for h in reference] == [1, 2, 3, 4]
+    before = (tool_runs["one"] / "before_training.txt").read_text()
+    figures = dict(re.findall(r"(\S+) (-?[0-9.]+)(?:,|$)", before.removeprefix("before training:")))
+    assert float(figures["eval_tools/calls/mean"]) > 0.5 and "eval_reward" in figures, before
     first = reference[0]
     assert first["tools/calls/mean"] > 0.5 and first["tools/turns/mean"] > 1.5, "episodes of several turns"
     assert first["reward_std"] > 0 and reference[1]["kl"] > 0
     adapter = load_file(tool_runs["one"] / "adapter_model.safetensors")
     results = read_results(tool_runs["one"])
     assert results["eval_tools/calls/mean"] > 0.5 and "eval_reward" in results
-    for name in ("accumulation", "accelerate", "torchrun", "fsdp"):
+    for name in ("accumulation", "torchrun", "fsdp"):
         history = log_history(tool_runs[name])
         assert [h["step"] for h in history] == [1, 2, 3, 4], name
+        assert (tool_runs[name] / "before_training.txt").read_text() == before, name  # the same greedy episodes
         for ours, theirs in zip(history, reference, strict=True):
             assert ours.keys() == theirs.keys(), (name, ours["step"])
             assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (name, ours, theirs)
@@ -459,3 +474,47 @@ def test_a_run_with_tools_resumed_from_its_checkpoint_is_the_uninterrupted_one(t
             k: v for k, v in theirs.items() if "seconds" not in k and k != "samples_per_second"}
     resumed, uninterrupted = (load_file(run / "adapter_model.safetensors") for run in (out, tool_runs["torchrun"]))
     assert max((resumed[k] - uninterrupted[k]).abs().max().item() for k in resumed) == 0
+
+
+# -- the embedded agent task
+
+def test_the_agent_tasks_tickets_need_the_tool_and_its_conversations_train_as_an_agent_would(chat_tokenizer, tmp_path):
+    from finetune.data.embedded import order_tickets
+    from finetune.tasks.chat import render_rows, without_nulls
+    from finetune.tasks.episodes import response_template
+
+    conversations, prompts = order_tickets.make_order_conversations(), order_tickets.make_order_prompts()
+    orders = {split: set(rows["order_id"]) for split, rows in conversations.items()}
+    assert not orders["train"] & orders["validation"], "held-out tickets name orders training never saw"
+    assert orders == {split: set(rows["order_id"]) for split, rows in prompts.items()}
+    assert not ({m[1]["content"] for m in conversations["train"]["messages"]}
+                & {p[1]["content"] for p in prompts["train"]["prompt"]})
+    tokenizer = copy.deepcopy(chat_tokenizer)
+    tokenizer.chat_template = (TEMPLATES / "qwen2_5.jinja").read_text()
+    with ToolPool(["finetune.data.embedded.order_tickets:lookup_order"]) as pool:
+        tools = pool.schemas
+        result = pool.call([ToolCall("lookup_order", {"order_id": conversations["train"][0]["order_id"]})])[0]
+    assert result.error is None and result.text == conversations["train"][0]["messages"][3]["content"]
+    messages = [[without_nulls(m) for m in row] for row in conversations["train"]["messages"]]
+    rows = render_rows(messages, tokenizer, [f"row {k}" for k in range(len(messages))], [json.dumps(tools)] * 60)
+    assert all(len(made) == 1 and len(made[0][1]) == 2 for made in rows), "both replies train, as generated"
+    template = response_template(tokenizer)
+    for conversation, row in zip(messages, conversations["train"], strict=True):
+        before = tokenizer.apply_chat_template(conversation[:2], tools=tools, tokenize=False,
+                                               add_generation_prompt=True)
+        through = tokenizer.apply_chat_template(conversation[:3], tools=tools, tokenize=False)
+        call = tokenizer.parse_response(through[len(before):].rstrip(), schema=template, prefix=before, tools=tools)
+        assert call["tool_calls"][0]["function"] == {"name": "lookup_order",
+                                                     "arguments": {"order_id": row["order_id"]}}
+    finals = [[conversation[-1]] for conversation in messages]
+    status, team = conversations["train"]["status"], conversations["train"]["team"]
+    assert order_tickets.resolved(None, finals, status, team) == [1.0] * 60
+    wrong_status = [s if s != "lost" else "delayed" for s in status]
+    assert order_tickets.resolved(None, finals, wrong_status, team) == [float(s != "lost") for s in status]
+    assert order_tickets.resolved(None, ["Your order is lost.\nTeam: shipping or billing"], ["lost"],
+                                  ["shipping"]) == [0.0]
+    order_tickets._write(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "conversations_train.jsonl", "conversations_validation.jsonl", "prompts_train.jsonl",
+        "prompts_validation.jsonl"]
+    assert len(read_jsonl(tmp_path / "prompts_train.jsonl")) == 120

@@ -150,9 +150,9 @@ class Episode:
 
 class Episodes:
     """Rolls out episodes with the tools of ``pool`` (``finetune.tasks.tools.ToolPool``): ``args`` holds
-    ``max_completion_length`` (sampled tokens over all turns), ``max_turns`` (replies; None: no limit),
-    ``temperature`` and ``top_p``; ``options`` are the template's keyword arguments. A reply ends at the template's
-    end of turn (``finetune.tasks.chat.end_of_turn_ids``).
+    ``max_completion_length`` (sampled tokens over all turns) and ``max_turns`` (replies; None: no limit);
+    ``options`` are the template's keyword arguments. A reply ends at the template's end of turn
+    (``finetune.tasks.chat.end_of_turn_ids``); only a reply that ends there goes on to its tools.
 
     Raises:
         UserError: the template writes tool calls in no form parsed here (``response_template``).
@@ -161,8 +161,8 @@ class Episodes:
     def __init__(self, args, tokenizer, pool: ToolPool, options: dict | None = None):
         self.args, self.tokenizer, self.pool, self.options = args, tokenizer, pool, options or {}
         stop_ids = end_of_turn_ids(tokenizer, self.options)
-        self.stop_ids = set(stop_ids)
-        self.stop_texts = {stop: tokenizer.decode([stop]) for stop in stop_ids}
+        self.stop_ids, self.end_of_turn = set(stop_ids), stop_ids[-1]
+        self.end_text = tokenizer.decode([self.end_of_turn])
         self.template = response_template(tokenizer, self.options)
         self._tool_seconds = 0.0
 
@@ -170,6 +170,13 @@ class Episodes:
         """Seconds spent in tool calls (and environments' resets) since the last call."""
         seconds, self._tool_seconds = self._tool_seconds, 0.0
         return seconds
+
+    def roll_rows(self, model, rows, counts: list[int], seeds: Callable[[int], list[int]], sample, *,
+                  sharded: bool = False) -> list[Episode]:
+        """``roll`` for ``rows`` of ``finetune.tasks.grpo.tokenize_prompts``."""
+        messages = [prompt_messages(json.loads(prompt)) for prompt in rows["prompt_messages"]]
+        return self.roll(model, rows["prompt_ids"], counts, messages, seeds, sample, rows=row_columns(rows),
+                         sharded=sharded)
 
     def roll(self, model, prompts: list[list[int]], counts: list[int], prompt_messages: list[list[dict]],
              seeds: Callable[[int], list[int]], sample, *, rows: list[dict] | None = None,
@@ -180,7 +187,7 @@ class Episodes:
         sharded model's processes sample together until none has an episode going."""
         owners = [i for i, count in enumerate(counts) for _ in range(count)]
         episodes = [Episode(prompts[i], prompt_messages[i]) for i in owners]
-        if self.pool.environment is not None:
+        if self.pool.environment_index is not None:
             self._reset(episodes, [rows[i] for i in owners])
         budget = self.args.max_completion_length
         turn = 0
@@ -200,7 +207,9 @@ class Episodes:
             else:  # nothing left here, but another process samples: keep in step with it
                 sample(model, prompts[:1], [1], turn_seeds[:1], max_new_tokens=left)
                 replies = []
-            self._take_replies(episodes, going, replies)
+            calls = [call for k, reply in zip(going, replies, strict=True)
+                     for call in self._take_reply(episodes[k], k, reply)]
+            self._answer(episodes, calls)
             turn += 1
         return episodes
 
@@ -220,72 +229,73 @@ class Episodes:
                                                           tokenize=False, add_generation_prompt=True, **self.options)
                 episode.prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _take_replies(self, episodes: list[Episode], going: list[int], replies: list[list[int]]) -> None:
-        calls, unparsed_calls = [], {}
-        for k, reply in zip(going, replies, strict=True):
-            episode = episodes[k]
-            reply = reply[:self.args.max_completion_length - episode.sampled]
-            context = episode.prompt + episode.ids
-            episode.ids += reply
-            episode.trained += [1] * len(reply)
-            episode.turns += 1
-            stopped = bool(reply) and reply[-1] in self.stop_ids
-            message, unparsed = self._parse(reply, context, stopped)
-            episode.messages.append(message)
-            wanted = message.get("tool_calls") or ([] if unparsed is None else [None])
-            if not stopped or not wanted:
-                episode.ended, episode.truncated = True, not stopped
-                continue
-            if episode.turns == self.args.max_turns or episode.sampled >= self.args.max_completion_length:
-                episode.ended = episode.truncated = True  # it called tools it has no turn left to read
-                continue
-            episode.tool_calls += len(wanted)
-            for call in wanted:
-                if call is None:
-                    unparsed_calls[len(calls)] = unparsed
-                calls.append(ToolCall(*_name_and_arguments(call or {}), episode=k, state=episode.state))
+    def _take_reply(self, episode: Episode, k: int, reply: list[int]) -> list[ToolCall]:
+        """Add a turn's reply to episode ``k``; returns its tool calls to make, none where the episode ends here."""
+        reply = reply[:self.args.max_completion_length - episode.sampled]
+        context = episode.prompt + episode.ids
+        episode.ids += reply
+        episode.trained += [1] * len(reply)
+        episode.turns += 1
+        stopped = bool(reply) and reply[-1] in self.stop_ids
+        message, unparsed = self._parse(reply, context) if stopped else (self._text(reply), None)
+        episode.messages.append(message)
+        calls = [ToolCall(call["function"]["name"], call["function"]["arguments"], episode=k, state=episode.state)
+                 for call in message.get("tool_calls", [])]
+        if unparsed:
+            calls.append(ToolCall("", None, episode=k, state=episode.state, unparsed=unparsed))
+        if not stopped:  # cut at the budget
+            episode.ended = episode.truncated = True
+        elif not calls or reply[-1] != self.end_of_turn:  # done, or stopped otherwise than a turn ends
+            episode.ended = True
+        elif episode.turns == self.args.max_turns or episode.sampled >= self.args.max_completion_length:
+            episode.ended = episode.truncated = True  # it called tools it has no turn left to read
+        if episode.ended:
+            return []
+        episode.tool_calls += len(calls)
+        return calls
+
+    def _answer(self, episodes: list[Episode], calls: list[ToolCall]) -> None:
+        """Make a turn's tool calls and add their results, with the template's tokens around them, to their
+        episodes."""
         started = time.perf_counter()
-        made = iter(self.pool.call([c for n, c in enumerate(calls) if n not in unparsed_calls]) if calls else [])
+        results = self.pool.call(calls) if calls else []
         self._tool_seconds += time.perf_counter() - started
         answers: dict[int, list[dict]] = {}
-        for n, call in enumerate(calls):
+        for call, result in zip(calls, results, strict=True):
             episode = episodes[call.episode]
-            if n in unparsed_calls:
-                text, error = str({"error": f"the tool call does not parse: {unparsed_calls[n]}"}), "unparsed"
-            else:
-                result = next(made)
-                text, error, episode.state = result.text, result.error, result.state
-            if error:
-                episode.errors[error] += 1
-            answers.setdefault(call.episode, []).append({"role": "tool", "name": call.name, "content": text})
+            episode.state = result.state
+            if result.error:
+                episode.errors[result.error] += 1
+            answers.setdefault(call.episode, []).append({"role": "tool", "name": call.name, "content": result.text})
         for k, tool_messages in answers.items():
             episode = episodes[k]
             inserted = tool_turn_ids(self.tokenizer, episode.prompt_messages + episode.messages, tool_messages,
-                                     self.pool.schemas, self.stop_texts[episode.ids[-1]], self.options)
+                                     self.pool.schemas, self.end_text, self.options)
             episode.ids += inserted
             episode.trained += [0] * len(inserted)
             episode.messages += tool_messages
 
-    def _parse(self, reply: list[int], context: list[int], stopped: bool) -> tuple[dict, str | None]:
-        """The reply as an assistant message, and why its tool calls do not parse (None where they do). A reply
-        cut short is its text."""
-        text = {"role": "assistant", "content": self.tokenizer.decode(reply, skip_special_tokens=True)}
-        if not stopped:
-            return text, None
+    def _text(self, reply: list[int]) -> dict:
+        return {"role": "assistant", "content": self.tokenizer.decode(reply, skip_special_tokens=True)}
+
+    def _parse(self, reply: list[int], context: list[int]) -> tuple[dict, str | None]:
+        """A reply that ended its turn as an assistant message, its tool calls each with a name and arguments (as
+        the template renders them again); and why its calls do not parse, if they do not (the message is then
+        its text)."""
         try:
-            message = self.tokenizer.parse_response(reply, schema=self.template, prefix=context,
-                                                    tools=self.pool.schemas)
+            parsed = self.tokenizer.parse_response(reply, schema=self.template, prefix=context,
+                                                   tools=self.pool.schemas)
         except ValueError as err:
-            return text, str(err).strip().splitlines()[-1][:200]
-        message.setdefault("content", "")
-        return message, None
-
-
-def _name_and_arguments(call: dict) -> tuple[str, object]:
-    function = call.get("function", call) if isinstance(call, dict) else {}
-    if not isinstance(function, dict):
-        return "", None
-    return str(function.get("name", "")), function.get("arguments", {})
+            return self._text(reply), str(err).strip().splitlines()[-1][:200]
+        calls = []
+        for call in parsed.pop("tool_calls", None) or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                return self._text(reply), f"a tool call without a name: {str(call)[:100]}"
+            calls.append({"type": "function", "function": {"name": function["name"],
+                                                           "arguments": function.get("arguments", {})}})
+        message = {**parsed, "role": "assistant", "content": parsed.get("content") or ""}
+        return ({**message, "tool_calls": calls} if calls else message), None
 
 
 class EvalEpisodes:
@@ -300,10 +310,8 @@ class EvalEpisodes:
 
     def outputs(self, model, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
         rows = self.validation.select(index.tolist())
-        messages = [prompt_messages(json.loads(prompt)) for prompt in rows["prompt_messages"]]
-        episodes = self.episodes.roll(model, rows["prompt_ids"], [1] * len(rows), messages,
-                                      lambda turn: [0] * len(rows), self.sample, rows=row_columns(rows),
-                                      sharded=is_sharded(model))
+        episodes = self.episodes.roll_rows(model, rows, [1] * len(rows), lambda turn: [0] * len(rows), self.sample,
+                                           sharded=is_sharded(model))
         scores = score_episodes(self.rewards, rows, episodes)
         width = self.episodes.args.max_completion_length
         own = [[t for t, trained in zip(e.ids, e.trained, strict=True) if trained] for e in episodes]
@@ -322,7 +330,8 @@ class EvalEpisodes:
         return {**reward_figures(values, failed, reward_names(self.rewards.names), self.weights),
                 **{name: float(value) for name, value in tools.items()}}
 
-    def write(self, outputs: tuple[torch.Tensor, ...], output_dir: str) -> None:
+    def write(self, tokens: torch.Tensor, output_dir: str) -> None:
+        """``eval_generations.jsonl`` with the gathered ``tokens`` (``outputs``' first) as each prompt's text."""
         texts = [self.episodes.tokenizer.decode([t for t in row if t != IGNORE], skip_special_tokens=True)
-                 for row in outputs[0].tolist()]
+                 for row in tokens.tolist()]
         write_generations(os.path.join(output_dir, "eval_generations.jsonl"), self.validation, texts)

@@ -24,7 +24,7 @@ from finetune.data.batching import GlobalBatchSampler, PlannedBatch
 from finetune.distributed.ddp import all_reduce_max, all_reduce_sum
 from finetune.distributed.fsdp import is_sharded
 from finetune.tasks.causal_lm import cache_keyword, reply_log_probs
-from finetune.tasks.episodes import Episode, Episodes, prompt_messages, row_columns, score_episodes
+from finetune.tasks.episodes import Episode, Episodes, score_episodes
 from finetune.tasks.grpo import Advantages, completion_loss_units, group_advantages, nanstd, policy_loss
 from finetune.tasks.rewards import RewardFailures, RewardPool
 from finetune.tasks.scoring import RewardJudge, failed_table, reward_names, score_replies
@@ -212,6 +212,8 @@ class Rollouts:
     def _roll_out(self, model, one_pass: list[tuple[dict, PlannedBatch]], epoch: int, device: torch.device
                   ) -> list[tuple[dict, PlannedBatch]]:
         rows = [row for batch, _ in one_pass for row in batch["index"].tolist()]
+        if self.episodes:
+            self.episodes.take_tool_seconds()  # (an evaluation's since the last rollout)
         started = time.perf_counter()
         episodes = self._sample(model, rows, epoch, one_pass[0][1].window)
         sampled = time.perf_counter()
@@ -267,9 +269,7 @@ class Rollouts:
             return [Episode(prompts[i], [], ids=c, trained=[1] * len(c), truncated=not c or c[-1] not in self.stop_ids)
                     for c, i in zip(completions, (i for i, count in enumerate(counts) for _ in range(count)),
                                     strict=True)]
-        messages = [prompt_messages(json.loads(prompt)) for prompt in prompted["prompt_messages"]]
-        return self.episodes.roll(model, prompts, counts, messages, seeds, sample, rows=row_columns(prompted),
-                                  sharded=is_sharded(model))
+        return self.episodes.roll_rows(model, prompted, counts, seeds, sample, sharded=is_sharded(model))
 
     def _positions(self) -> list[int]:
         """Where this process's completions sit in the window's global order: micro-batch after micro-batch, each

@@ -52,13 +52,17 @@ def score_replies(pool: RewardPool, rows: datasets.Dataset, texts: list[str] | l
     return pool.score(prompts, replies, columns)
 
 
-def check_rewards_on(pool: RewardPool, row: dict) -> None:
+def check_rewards_on(pool: RewardPool, row: dict, environment: bytes | None = None) -> None:
     """Each of ``pool``'s reward functions called once, in its workers under ``--reward_timeout``, on the first row
-    of ``tokenize_prompts`` with an empty reply, as training calls it (``finetune.tasks.rewards.
-    check_reward_signature``: a function that cannot take the call, or hangs, is refused before the model loads)."""
+    of ``tokenize_prompts`` with an empty reply (and ``environment``, a started one's state), as training calls it
+    (``finetune.tasks.rewards.check_reward_signature``: a function that cannot take the call, or hangs, is refused
+    before the model loads)."""
     prompt = json.loads(row["prompt_messages"])
     reply = "" if isinstance(prompt, str) else [{"role": "assistant", "content": ""}]
-    check_reward_signature(pool, prompt, reply, json.loads(row["columns"]))
+    columns = json.loads(row["columns"])
+    if environment is not None:
+        columns["environments"] = environment
+    check_reward_signature(pool, prompt, reply, columns)
 
 
 def failed_table(scores: RewardScores, pool: RewardPool) -> np.ndarray:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,12 +57,14 @@ def check_tool_specs(specs: Sequence[str], environment: str | None = None) -> No
 @dataclass(frozen=True)
 class ToolCall:
     """A call the model made: the tool's name, its arguments (a dict, or its JSON text), and for an environment's
-    method the episode's environment state (``episode`` keeps one episode's calls in order)."""
+    method the episode's environment state (``episode`` keeps one episode's calls in order); or, ``unparsed``, why
+    the call's text does not parse."""
 
     name: str
     arguments: Any
     episode: int = 0
     state: bytes | None = None
+    unparsed: str | None = None
 
 
 @dataclass(frozen=True)
@@ -92,12 +95,14 @@ class ToolPool(WorkerPool):
     def __init__(self, specs: Sequence[str], environment: str | None = None, workers: int | None = None,
                  timeout: float = 30.0):
         check_tool_specs(specs, environment)
+        # Episodes call at once: a worker per core (at least one per function), not one per function alone.
+        workers = workers or max(len(specs), min(4, os.cpu_count() or 1))
         super().__init__([*specs, *filter(None, [environment])], kind=TOOL, handler=__name__, workers=workers,
                          timeout=timeout)
-        self.environment = len(specs) if environment else None
+        self.environment_index = len(specs) if environment else None
         """The environment's place among the pool's functions."""
         self.schemas: list[dict] = [schema for schema, _ in self.described]
-        self._index = {schema["function"]["name"]: (k if method is None else self.environment, method)
+        self._index = {schema["function"]["name"]: (k if method is None else self.environment_index, method)
                        for k, (schema, method) in enumerate(self.described)}
         if len(self._index) != len(self.schemas):
             self.close()
@@ -118,13 +123,14 @@ class ToolPool(WorkerPool):
             kind, body = reply
             if kind != "state":
                 reason = body if kind == "lost" else f"raised {body}"
-                raise UserError(f"environment {self.names[self.environment]}: reset(**row) {reason} on row "
+                raise UserError(f"environment {self.names[self.environment_index]}: reset(**row) {reason} on row "
                                 f"{call.tag + 1} of a rollout ({sorted(rows[call.tag])} given); make it start on "
                                 "every row of the data")
             started[call.tag] = body
             return []
 
-        self.run([Call(self.environment, "reset", pickle.dumps(row), tag=k) for k, row in enumerate(rows)], settle)
+        self.run([Call(self.environment_index, "reset", pickle.dumps(row), tag=k) for k, row in enumerate(rows)],
+                 settle)
         return started
 
     def call(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
@@ -165,6 +171,8 @@ class ToolPool(WorkerPool):
 
     def _request(self, call: ToolCall, state: bytes | None, tag: int) -> Call | ToolResult:
         """The worker call for ``call``, or its result where it fails before any worker runs it."""
+        if call.unparsed:
+            return _error(f"the tool call does not parse: {call.unparsed}", "unparsed", state)
         arguments = call.arguments
         if isinstance(arguments, str):
             try:
@@ -235,11 +243,19 @@ def serve(func: Callable[..., Any], mode: str, payload: bytes) -> tuple[str, Any
             return "raised", f"{type(err).__name__}: {err}"
     if mode == "method":
         state, method, arguments = pickle.loads(payload)
-        environment = pickle.loads(state)
         try:
-            return "result", (str(getattr(environment, method)(**arguments)), pickle.dumps(environment))
+            environment = pickle.loads(state)
         except BaseException as err:
-            return "raised", (str(err) or type(err).__name__, pickle.dumps(environment))
+            return "raised", (f"the environment's state does not load: {type(err).__name__}: {err}", state)
+        try:
+            result = ("result", str(getattr(environment, method)(**arguments)))
+        except BaseException as err:  # SystemExit too: it would end the worker
+            result = ("raised", str(err) or type(err).__name__)
+        try:
+            return result[0], (result[1], pickle.dumps(environment))
+        except BaseException as err:  # an attribute that does not pickle: the state before the call stands
+            return "raised", (f"the environment's state does not pickle after {method}: {type(err).__name__}: "
+                              f"{err}; keep its state in plain attributes", state)
     try:
         return "result", str(func(**pickle.loads(payload)))
     except BaseException as err:  # SystemExit too: it would end the worker
