@@ -207,11 +207,13 @@ def _count_recipe_batches() -> None:
 
 
 def _time_recipe_rollouts() -> None:
-    """The GRPO recipe's sampling (its training completions: the model is in training mode) and scoring."""
-    from finetune.tasks import grpo
+    """The GRPO recipe's sampling (its training completions: the model is in training mode) and scoring (of
+    episodes with tools too)."""
+    from finetune.tasks import episodes, rollout
 
-    time_phase(grpo, "sample_completions", "generation", lambda args, result: result if args[0].training else None)
-    time_phase(grpo, "score_replies", "scoring")
+    time_phase(rollout, "sample_completions", "generation", lambda args, result: result if args[0].training else None)
+    time_phase(rollout, "score_replies", "scoring")
+    time_phase(episodes, "score_replies", "scoring")
 
 
 if __name__ == "__main__":

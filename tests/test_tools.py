@@ -489,6 +489,9 @@ def test_the_agent_tasks_tickets_need_the_tool_and_its_conversations_train_as_an
     assert orders == {split: set(rows["order_id"]) for split, rows in prompts.items()}
     assert not ({m[1]["content"] for m in conversations["train"]["messages"]}
                 & {p[1]["content"] for p in prompts["train"]["prompt"]})
+    named = [re.findall(r"\d{5}", p[1]["content"]) for p in prompts["validation"]["prompt"]]
+    assert [len(n) for n in named] == [2] * 40, "every held-out ticket names another order before the asked one"
+    assert [n[1] for n in named] == prompts["validation"]["order_id"]
     tokenizer = copy.deepcopy(chat_tokenizer)
     tokenizer.chat_template = (TEMPLATES / "qwen2_5.jinja").read_text()
     with ToolPool(["finetune.data.embedded.order_tickets:lookup_order"]) as pool:
@@ -513,7 +516,7 @@ def test_the_agent_tasks_tickets_need_the_tool_and_its_conversations_train_as_an
     assert order_tickets.resolved(None, finals, wrong_status, team) == [float(s != "lost") for s in status]
     assert order_tickets.resolved(None, ["Your order is lost.\nTeam: shipping or billing"], ["lost"],
                                   ["shipping"]) == [0.0]
-    order_tickets._write(tmp_path)
+    order_tickets.write_files(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "conversations_train.jsonl", "conversations_validation.jsonl", "prompts_train.jsonl",
         "prompts_validation.jsonl"]

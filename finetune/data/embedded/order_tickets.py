@@ -5,10 +5,11 @@ An embedded table of orders (status, carrier, the team that owns it), drawn by a
 states the status and routes the ticket right has looked the order up. Training tickets and validation tickets
 name different orders: the held-out figure is of order ids the model has not seen.
 
-- ``make_order_conversations``: for the chat recipe (``--tools`` with this module's ``lookup_order``), each ticket
-  answered as an agent would: the call, the tool's result, the reply.
-- ``make_order_prompts``: for GRPO, the tickets alone with the order's ``order_id``, ``status`` and ``team``;
-  ``resolved`` is the reward.
+- ``make_order_conversations``: for the chat recipe (``--tools`` with this module's ``lookup_order``), tickets that
+  name one order, each answered as an agent would: the call, the tool's result, the reply.
+- ``make_order_prompts``: for GRPO, tickets alone with the asked order's ``order_id``, ``status`` and ``team``;
+  ``resolved`` is the reward. Half the training tickets and every validation ticket name a second order, one that
+  is fine, before the one asked about: what no demonstration showed, and what GRPO has to learn from the reward.
 
 ``python -m finetune.data.embedded.order_tickets FOLDER`` writes both as jsonl files a recipe's ``--train_file``
 and ``--validation_file`` read.
@@ -24,7 +25,7 @@ from pathlib import Path
 from datasets import Dataset, DatasetDict
 
 __all__ = ["ORDERS", "STATUSES", "SYSTEM_PROMPT", "TEAMS", "lookup_order", "make_order_conversations",
-           "make_order_prompts", "resolved", "stated"]
+           "make_order_prompts", "resolved", "stated", "write_files"]
 
 STATUSES = ("processing", "shipped", "delivered", "delayed", "lost", "returned")
 TEAMS = ("shipping", "billing", "returns")
@@ -42,6 +43,12 @@ _TICKETS = [
     "Can you tell me what is happening with order {order}?",
     "Hello, I am still waiting for order {order}.",
     "Please look into order {order}, I have heard nothing for days.",
+]
+_TWO_ORDERS = [
+    "Order {other} came on time, but {order} has not arrived. Where is it?",
+    "I already got {other}. What about order {order}?",
+    "Not {other}, that one is fine: can you check order {order}?",
+    "My order {other} arrived, order {order} did not. Please look into it.",
 ]
 
 
@@ -105,15 +112,22 @@ def make_order_conversations() -> DatasetDict:
 
 
 def make_order_prompts() -> DatasetDict:
-    """``prompt`` (system and ticket) and the order's ``order_id``, ``status``, ``carrier`` and ``team``: the
-    training orders' tickets with templates 4 and 5 (none an SFT conversation's), the validation orders' with 6
-    and 7."""
+    """``prompt`` (system and ticket) and the asked order's ``order_id``, ``status``, ``carrier`` and ``team``:
+    each training order in a one-order ticket (templates 4-7 in turn, none an SFT conversation's) and in a
+    two-order ticket (the first two two-order templates in turn); each validation order in two two-order tickets
+    (the other two templates). The other order is the split's next one that differs in status or team."""
     made = {}
-    for split, templates in (("train", [4, 5]), ("validation", [6, 7])):
-        made[split] = Dataset.from_list([
-            {"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": ticket}],
-             "order_id": order, **ORDERS[order]}
-            for order, ticket in _tickets(_splits()[split], templates, each=True)])
+    for split, two_order_templates in (("train", [0, 1]), ("validation", [2, 3])):
+        orders, rows = _splits()[split], []
+        for k, order in enumerate(orders):
+            asked = (ORDERS[order]["status"], ORDERS[order]["team"])
+            other = next(o for o in orders[k + 1:] + orders[:k] if (ORDERS[o]["status"], ORDERS[o]["team"]) != asked)
+            tickets = [_TWO_ORDERS[t].format(other=other, order=order) for t in two_order_templates]
+            if split == "train":
+                tickets = [_TICKETS[4 + k % 4].format(order=order), tickets[k % 2]]
+            rows += [{"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": ticket}],
+                      "order_id": order, **ORDERS[order]} for ticket in tickets]
+        made[split] = Dataset.from_list(rows)
     return DatasetDict(made)
 
 
@@ -131,13 +145,18 @@ def resolved(prompts, completions, status, team, **columns) -> list[float]:
             for final, true_status, true_team in zip(finals, status, team, strict=True)]
 
 
-def _write(folder: Path) -> None:
+def write_files(folder: Path) -> dict[str, Path]:
+    """The conversations and prompts as jsonl files in ``folder``: ``conversations_train.jsonl``, ...; returns
+    them by name."""
     folder.mkdir(parents=True, exist_ok=True)
+    written = {}
     for name, made in (("conversations", make_order_conversations()), ("prompts", make_order_prompts())):
         for split, rows in made.items():
-            with open(folder / f"{name}_{split}.jsonl", "w") as f:
+            written[f"{name}_{split}"] = path = folder / f"{name}_{split}.jsonl"
+            with open(path, "w") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
+    return written
 
 
 if __name__ == "__main__":
-    _write(Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/orders"))
+    write_files(Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/orders"))
