@@ -46,7 +46,7 @@ class GRPOTask(causal_lm.ChatTask):
     tokenizing_code = ("finetune.tasks.grpo", "finetune.tasks.episodes", "finetune.tasks.chat", "finetune.data.sources",
                        "finetune.data.embedded", "finetune.data.embedded.support_chats",
                        "finetune.data.embedded.support_tickets")
-    pool = tools = eval_episodes = replies = None
+    pool = tools = None
 
     def __init__(self, args):
         super().__init__(args)
@@ -96,12 +96,13 @@ class GRPOTask(causal_lm.ChatTask):
             per_device_batch_size=cfg.per_device_train_batch_size, accumulation_steps=cfg.gradient_accumulation_steps,
             seed=cfg.seed, reference=Reference(model, precision=causal_lm.run_precision(cfg)) if args.beta else None,
             kept=Path(cfg.output_dir) / self.run_files[env.rank], episodes=episodes)
-        if episodes:
-            self.eval_episodes = EvalEpisodes(episodes, data.validation, self.pool, args.weights,
-                                              rollout.greedy_sampling(self.rollouts.pad))
+        if episodes:  # scored where they ran: their messages and the tools' state stay there
+            self.evaluation = EvalEpisodes(episodes, data.validation, self.pool, args.weights,
+                                           rollout.greedy_sampling(self.rollouts.pad))
         else:
-            self.replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
-                                                 SUPPORT_PROMPTS.score_replies, count=len(data.validation))
+            replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
+                                            SUPPORT_PROMPTS.score_replies, count=len(data.validation))
+            self.evaluation = rollout.EvalReplyRewards(replies, self.pool, args.weights)
         train_set = TokenizedDataset(data.train, ["index"])
         sampler = rollout.RolloutSampler(train_set.lengths, cfg.per_device_train_batch_size, env.world_size,
                                       seed=cfg.seed, accumulation_steps=cfg.gradient_accumulation_steps,
@@ -132,19 +133,13 @@ class GRPOTask(causal_lm.ChatTask):
             self.rollouts.judge.load_state_dict(state["reward_judge"])
 
     def eval_outputs(self, model, batch):
-        if self.eval_episodes:  # scored where they ran: the messages and the tools' state stay there
-            return self.eval_episodes.outputs(model, batch["index"])
-        return (self.replies.generate(model, batch["index"]),)
+        return self.evaluation.outputs(model, batch["index"])
 
     def metrics(self, outputs):
-        if self.eval_episodes:
-            return self.eval_episodes.metrics(outputs)
-        texts = self.replies.texts(outputs[0])
-        return {**scoring.eval_rewards(self.pool, self.replies.prompted, texts, self.args.weights),
-                **self.replies.metrics(outputs[0])}
+        return self.evaluation.metrics(outputs)
 
     def write_predictions(self, outputs, output_dir):
-        (self.eval_episodes or self.replies).write(outputs[0], output_dir)
+        self.evaluation.write(outputs[0], output_dir)
 
     def close(self):
         for pool in (self.pool, self.tools):

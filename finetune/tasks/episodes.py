@@ -36,7 +36,7 @@ from finetune.tasks.scoring import failed_table, reward_figures, reward_names, s
 from finetune.tasks.tools import ERROR_KINDS, ToolCall, ToolPool
 
 __all__ = ["EvalEpisodes", "Episode", "Episodes", "prompt_messages", "response_template", "row_columns",
-           "score_episodes", "tool_turn_ids"]
+           "score_episodes", "tool_figures", "tool_table", "tool_turn_ids"]
 
 _PROBE_CALL = {"name": "probe_tool", "arguments": {"city": "Paris"}}
 _PROBE = [{"role": "user", "content": "Hi"},
@@ -146,6 +146,20 @@ class Episode:
     @property
     def sampled(self) -> int:
         return sum(self.trained)
+
+
+def tool_table(episodes: list[Episode]) -> np.ndarray:
+    """``[episodes, 2 + len(ERROR_KINDS)]``: each episode's tool calls, turns, and failed calls of each kind."""
+    return np.array([[e.tool_calls, e.turns, *(e.errors[kind] for kind in ERROR_KINDS)] for e in episodes],
+                    dtype=np.float64).reshape(len(episodes), 2 + len(ERROR_KINDS))
+
+
+def tool_figures(table: np.ndarray) -> dict[str, float]:
+    """What is logged of ``tool_table``'s rows: calls per episode (mean, max), turns (mean), failures by kind
+    (summed)."""
+    return {"tools/calls/mean": float(table[:, 0].mean()), "tools/calls/max": float(table[:, 0].max()),
+            "tools/turns/mean": float(table[:, 1].mean()),
+            **{f"tools/errors/{kind}": float(table[:, 2 + k].sum()) for k, kind in enumerate(ERROR_KINDS)}}
 
 
 class Episodes:
@@ -316,19 +330,16 @@ class EvalEpisodes:
         width = self.episodes.args.max_completion_length
         own = [[t for t, trained in zip(e.ids, e.trained, strict=True) if trained] for e in episodes]
         tokens = torch.tensor([ids + [IGNORE] * (width - len(ids)) for ids in own], device=index.device)
-        figures = torch.tensor([[e.tool_calls, e.turns, e.truncated, *(e.errors[kind] for kind in ERROR_KINDS)]
-                                for e in episodes], dtype=torch.float64, device=index.device)
+        truncated = np.array([[e.truncated] for e in episodes], dtype=np.float64)
+        figures = torch.from_numpy(np.hstack([truncated, tool_table(episodes)])).to(index.device)
         values = torch.from_numpy(scores.values).to(index.device)
         failed = torch.from_numpy(failed_table(scores, self.rewards)).to(index.device)
         return tokens, values, failed, figures
 
     def metrics(self, outputs: tuple[torch.Tensor, ...]) -> dict[str, float]:
         _, values, failed, figures = (output.cpu().numpy() for output in outputs)
-        tools = {"tools/calls/mean": figures[:, 0].mean(), "tools/calls/max": figures[:, 0].max(),
-                 "tools/turns/mean": figures[:, 1].mean(), "completions/truncated_share": figures[:, 2].mean(),
-                 **{f"tools/errors/{kind}": figures[:, 3 + k].sum() for k, kind in enumerate(ERROR_KINDS)}}
         return {**reward_figures(values, failed, reward_names(self.rewards.names), self.weights),
-                **{name: float(value) for name, value in tools.items()}}
+                **tool_figures(figures[:, 1:]), "completions/truncated_share": float(figures[:, 0].mean())}
 
     def write(self, tokens: torch.Tensor, output_dir: str) -> None:
         """``eval_generations.jsonl`` with the gathered ``tokens`` (``outputs``' first) as each prompt's text."""

@@ -24,13 +24,12 @@ from finetune.data.batching import GlobalBatchSampler, PlannedBatch
 from finetune.distributed.ddp import all_reduce_max, all_reduce_sum
 from finetune.distributed.fsdp import is_sharded
 from finetune.tasks.causal_lm import cache_keyword, reply_log_probs
-from finetune.tasks.episodes import Episode, Episodes, score_episodes
+from finetune.tasks.episodes import Episode, Episodes, score_episodes, tool_figures, tool_table
 from finetune.tasks.grpo import Advantages, completion_loss_units, group_advantages, nanstd, policy_loss
 from finetune.tasks.rewards import RewardFailures, RewardPool
-from finetune.tasks.scoring import RewardJudge, failed_table, reward_names, score_replies
-from finetune.tasks.tools import ERROR_KINDS
+from finetune.tasks.scoring import RewardJudge, eval_rewards, failed_table, reward_names, score_replies
 
-__all__ = ["RolloutSampler", "Rollouts", "greedy_sampling", "sample_completions"]
+__all__ = ["EvalReplyRewards", "RolloutSampler", "Rollouts", "greedy_sampling", "sample_completions"]
 
 
 class RolloutSampler(GlobalBatchSampler):
@@ -305,8 +304,7 @@ class Rollouts:
         columns = {"rewards": rewards, "failed": failed, "lengths": [e.sampled for e in episodes],
                    "truncated": truncated, "units": units.numpy()}
         if self.episodes is not None:
-            columns.update({"tool_calls": [e.tool_calls for e in episodes], "turns": [e.turns for e in episodes],
-                            "tool_errors": [[e.errors[kind] for kind in ERROR_KINDS] for e in episodes]})
+            columns["tools"] = tool_table(episodes)
         local = np.column_stack(list(columns.values())).astype(np.float64)
         positions = self._positions()
         table = torch.zeros(len(positions) * self.world_size, local.shape[1], dtype=torch.float64)
@@ -316,7 +314,7 @@ class Rollouts:
         for name, values in columns.items():
             size = np.asarray(values, dtype=np.float64).reshape(len(episodes), -1).shape[1]
             block = table[:, start:start + size]
-            shared[name] = block if name in ("rewards", "failed", "tool_errors") else block[:, 0]
+            shared[name] = block if name in ("rewards", "failed", "tools") else block[:, 0]
             start += size
         self.judge.judge_failures(shared["failed"].sum(0), len(table))
         return shared
@@ -388,13 +386,8 @@ class Rollouts:
             figures[f"rewards/{name}/mean"] = float(rewards[:, k].nanmean())
             figures[f"rewards/{name}/std"] = float(nanstd(rewards[:, k], 0))
         if tool_seconds is not None:  # sampling's time without the tools'
-            calls = shared["tool_calls"]
             figures.update({"generation_seconds": generation_seconds - tool_seconds, "tool_seconds": tool_seconds,
-                            "tools/calls/mean": float(calls.mean()), "tools/calls/max": float(calls.max()),
-                            "tools/turns/mean": float(shared["turns"].mean())})
-            errors = shared["tool_errors"].sum(0)
-            figures.update({f"tools/errors/{kind}": float(count) for kind, count in zip(ERROR_KINDS, errors,
-                                                                                        strict=True)})
+                            **tool_figures(shared["tools"].numpy())})
         self._rollout_figures.append(figures)
 
     def interval_logs(self) -> dict[str, float]:
@@ -415,3 +408,23 @@ class Rollouts:
         logs.update({f"reward_failures/{name}": float(self.judge.failed[k]) for k, name in enumerate(self.names)})
         self._rollout_figures, self._loss_figures = [], torch.zeros(4, dtype=torch.float64)
         return logs
+
+
+class EvalReplyRewards:
+    """The evaluation without tools (``finetune.tasks.episodes.EvalEpisodes``' twin): the greedy replies of
+    ``replies`` (``finetune.tasks.causal_lm.EvalReplies``) scored by the reward functions of ``rewards``, and by the
+    data's own check where it has one."""
+
+    def __init__(self, replies, rewards: RewardPool, weights: np.ndarray):
+        self.replies, self.rewards, self.weights = replies, rewards, weights
+
+    def outputs(self, model, index: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.replies.generate(model, index),)
+
+    def metrics(self, outputs: tuple[torch.Tensor]) -> dict[str, float]:
+        texts = self.replies.texts(outputs[0])
+        return {**eval_rewards(self.rewards, self.replies.prompted, texts, self.weights),
+                **self.replies.metrics(outputs[0])}
+
+    def write(self, tokens: torch.Tensor, output_dir: str) -> None:
+        self.replies.write(tokens, output_dir)
