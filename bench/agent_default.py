@@ -2,7 +2,7 @@
 on tool-use conversations, then GRPO with the live tool from its adapter, each held out on tickets about orders
 neither step saw, and the base model they start from.
 
-    python bench/agent_default.py     # about 20 minutes on 2 CPU cores: bench/results/agent-default.json
+    python bench/agent_default.py     # about 20 minutes on 2 CPU cores: bench/results/agent-default.{json,png}
 
 GRPO runs at ``--learning_rate 1e-4``: at the recipe's 1e-3 (``--learning_rate 1e-3 --results_file
 bench/results/agent-default-lr-1e-3.json``) the policy collapsed after step 7 (bench/results/agent-default-lr-1e-3.json:
@@ -75,7 +75,33 @@ def main(results_file: Path, learning_rate: str) -> None:
                                  for key in ("generation_seconds", "tool_seconds", "reward_seconds",
                                              "training_seconds")}}
     results_file.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, results_file.with_suffix(".png"))
     print(json.dumps(results, indent=2))
+
+
+def plot(results: dict, path: Path) -> None:
+    """The GRPO step's curve: each step's mean reward and tool calls per episode of its training episodes, and
+    held-out success before GRPO (the chat recipe alone, at step 0) and after it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    grpo = results["sft_then_grpo"]
+    steps = range(1, len(grpo["training_reward_curve"]) + 1)
+    figure, axes = pyplot.subplots(figsize=(7, 3.2))
+    axes.plot(steps, grpo["training_reward_curve"], marker="o", label="reward of the step's 8 episodes (mean)")
+    axes.plot(steps, grpo["tool_calls_curve"], marker="s", linestyle="--", label="tool calls per episode")
+    axes.scatter([0, len(steps)], [results["sft"]["held_out_success"], grpo["held_out_success"]], s=80, marker="*",
+                 color="black", zorder=3, label="held-out success (40 tickets, greedy)")
+    axes.set_xticks(range(0, len(steps) + 1, 2))
+    axes.set_xlabel("GRPO step (after the chat recipe)")
+    axes.set_ylim(-0.05, 1.1)
+    axes.set_title("Agent task: GRPO with the live tool, SmolLM2-135M, 2-core CPU", fontsize=10)
+    axes.legend(fontsize=8, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    pyplot.close(figure)
 
 
 if __name__ == "__main__":

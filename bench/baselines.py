@@ -4,9 +4,10 @@ DPOTrainer and GRPOTrainer.
     python bench/baselines.py KIND DATA_FILE OUT_DIR [--seed N] [--per_device_train_batch_size N] [--eval_file F]
     (KIND: loop_random, loop_same_optimizer, trainer_default, trainer_grouped, trainer_ner, loop_sft,
     trl_padding_free, trl_default, trl_memory, trl_long, loop_dpo, trl_dpo, trl_dpo_default, trl_dpo_memory,
-    trl_dpo_long, trl_grpo, st_mnrl or st_cached_mnrl_large;
+    trl_dpo_long, trl_grpo, trl_agent, st_mnrl or st_cached_mnrl_large;
     the batch size is the chat and preference baselines' only, their recipe's by default; the memory kinds
-    evaluate on --eval_file)
+    evaluate on --eval_file; trl_agent starts from --model_name_or_path and is held out on --eval_file)
+    python bench/baselines.py agent_held_out PROMPTS_FILE OUT_DIR --model_name_or_path ADAPTER --eval_file F
 
 The classification baselines train the same model on the same CSV for one epoch with the recipe's defaults:
 per-device batch 32, learning rate 1e-4, sequences cut at 128 tokens, each batch padded to its own longest row.
@@ -364,6 +365,75 @@ def trl_grpo(train_jsonl: str, output_dir: str) -> None:
     trainer.train()
 
 
+TOOL_TURNS_ALLOWANCE = 96
+"""TRL counts the tool turns' tokens (a result with the template's markup about it, 30 to 40 tokens here) in an
+episode's ``max_completion_length`` and ends an episode whose next result would not fit; the recipe counts only
+sampled tokens. TRL's budget is the recipe's plus room for two tool turns and more, so that its episodes are cut
+no sooner than the recipe's."""
+
+
+def trl_agent(train_jsonl: str, output_dir: str, model: str, eval_jsonl: str) -> None:
+    """TRL's GRPOTrainer with ``tools=`` on the agent suite's work (``suites.AGENT_FLAGS``): the same start model
+    (its tokenizer carries the qwen2_5 template, for which TRL sets the response template that parses calls),
+    tickets, tool, reward, episodes per step and per ticket, completion budget over all turns, no limit on turns,
+    sampling, loss, LoRA settings with dropout off, learning rate 1e-4 and beta 0, as ``trl_grpo`` sets them. Its
+    ``_generate`` (sampling and the tool loop) and scoring are timed as the recipe's are. Then the trained adapter's
+    held-out success in another process (``agent_held_out``), not counted in this one's memory."""
+    import subprocess
+
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from finetune.data.embedded.order_tickets import lookup_order, resolved
+
+    recipe = recipe_module("grpo")
+    options = recipe.GRPOArguments(reward_funcs=[recipe.DEFAULT_REWARD])
+    flags = suite_flags()
+    args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=int(flags["--per_device_train_batch_size"]),
+                      num_generations=int(flags["--num_generations"]),
+                      max_completion_length=int(flags["--max_completion_length"]) + TOOL_TURNS_ALLOWANCE,
+                      max_tool_calling_iterations=None, temperature=options.temperature,
+                      top_p=options.top_p, loss_type=options.loss_type, scale_rewards=options.scale_rewards,
+                      epsilon=options.epsilon, beta=0.0, learning_rate=float(flags["--learning_rate"]),
+                      weight_decay=RECIPE.weight_decay, num_train_epochs=1, seed=SEED, bf16=torch.cuda.is_available(),
+                      gradient_checkpointing=False, save_strategy="no", report_to="none",
+                      logging_steps=int(flags["--logging_steps"]))
+    lora = LoraConfig(r=options.lora_r, lora_alpha=options.lora_alpha, lora_dropout=0.0,
+                      target_modules=options.lora_target_modules, task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=model, reward_funcs=resolved, args=args, tools=[lookup_order],
+                          train_dataset=datasets.load_dataset("json", data_files=train_jsonl, split="train"),
+                          processing_class=AutoTokenizer.from_pretrained(model), peft_config=lora)
+    probe.time_phase(GRPOTrainer, "_generate", "generation",
+                     lambda args, result: result[1] if args[0].model.training else None)
+    probe.time_phase(GRPOTrainer, "_calculate_rewards", "scoring")
+    trainer.train()
+    adapter = Path(output_dir, "adapter")
+    trainer.model.save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(model).save_pretrained(adapter)  # as it was: TRL sets a response template on its own
+    subprocess.run([sys.executable, __file__, "agent_held_out", train_jsonl, output_dir, "--model_name_or_path",
+                    str(adapter), "--eval_file", eval_jsonl], check=True)
+
+
+def suite_flags() -> dict[str, str]:
+    """The agent suite's recipe flags that take a value, by name."""
+    from suites import AGENT_FLAGS
+
+    return dict(zip(AGENT_FLAGS[::2], AGENT_FLAGS[1::2], strict=True))
+
+
+def agent_held_out(train_jsonl: str, output_dir: str, adapter: str, eval_jsonl: str) -> None:
+    """``all_results.json`` in ``output_dir`` with the held-out success (``eval_reward``) and tool calls of
+    ``adapter`` (folded into its base) on ``eval_jsonl``: the GRPO recipe's evaluation, greedy episodes with the
+    live tool, as the recipe's side gets it."""
+    from sft_default import recipe_metrics
+    from suites import AGENT_FLAGS
+
+    metrics = recipe_metrics("grpo", "GRPOArguments", "GRPOTask",
+                             ["--train_file", train_jsonl, "--validation_file", eval_jsonl, *AGENT_FLAGS,
+                              "--model_name_or_path", adapter])
+    Path(output_dir, "all_results.json").write_text(json.dumps(metrics))
+
+
 def sentence_transformers_embed(kind: str, train_jsonl: str, output_dir: str, eval_jsonl: str, seed: int) -> None:
     """sentence-transformers' trainer on the embedding recipe's work: the same model, pairs, loss (scale 20),
     learning rate, weight decay, clipping, linear schedule, sequence limit and global batch, one epoch, its own
@@ -401,8 +471,14 @@ def sentence_transformers_embed(kind: str, train_jsonl: str, output_dir: str, ev
 
 
 def main(kind: str, train_csv: str, output_dir: str, seed: int, chat_batch_size: int | None,
-         eval_file: str | None) -> None:
+         eval_file: str | None, model: str | None) -> None:
+    if kind == "agent_held_out":
+        agent_held_out(train_csv, output_dir, model, eval_file)
+        return
     probe.install()
+    if kind == "trl_agent":
+        trl_agent(train_csv, output_dir, model, eval_file)
+        return
     if kind.startswith("st_"):
         sentence_transformers_embed(kind, train_csv, output_dir, eval_file, seed)
         return
@@ -475,5 +551,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--per_device_train_batch_size", type=int, default=None)
     parser.add_argument("--eval_file", default=None)
+    parser.add_argument("--model_name_or_path", default=None)
     cli = parser.parse_args()
-    main(cli.kind, cli.data_file, cli.output_dir, cli.seed, cli.per_device_train_batch_size, cli.eval_file)
+    main(cli.kind, cli.data_file, cli.output_dir, cli.seed, cli.per_device_train_batch_size, cli.eval_file,
+         cli.model_name_or_path)

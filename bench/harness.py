@@ -77,8 +77,11 @@ def command(config: Config, train_csv: Path, eval_csv: Path, output_dir: Path, g
     shared = ["--seed", str(seed)] if seed is not None else []
     if batch_size:
         shared += ["--per_device_train_batch_size", str(batch_size)]
+    if config.start_model:
+        shared += ["--model_name_or_path", str(train_csv.parent / config.start_model)]
     if config.launcher == "python":
-        evaluation = ["--eval_file", str(eval_csv)] if config.long_chats or config.recipe == "embed" else []
+        evaluation = (["--eval_file", str(eval_csv)] if config.long_chats or config.recipe == "embed"
+                      or config.start_model else [])
         return [sys.executable, str(BENCH / "baselines.py"), config.name, str(train_csv), str(output_dir), *shared,
                 *evaluation]
     if config.recipe in ("classify", "embed", "sft", "dpo", "grpo"):

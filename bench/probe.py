@@ -207,11 +207,11 @@ def _count_recipe_batches() -> None:
 
 
 def _time_recipe_rollouts() -> None:
-    """The GRPO recipe's sampling (its training completions: the model is in training mode) and scoring (of
-    episodes with tools too)."""
+    """The GRPO recipe's sampling of its training completions (with tools, whole episodes: every turn's sampling
+    and the tool calls between, as TRL's ``_generate`` holds its tool loop) and scoring."""
     from finetune.tasks import episodes, rollout
 
-    time_phase(rollout, "sample_completions", "generation", lambda args, result: result if args[0].training else None)
+    time_phase(rollout.Rollouts, "_sample", "generation", lambda args, result: [e.ids for e in result])
     time_phase(rollout, "score_replies", "scoring")
     time_phase(episodes, "score_replies", "scoring")
 

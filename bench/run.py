@@ -7,6 +7,7 @@
     python bench/run.py --suite sft              # ~16 minutes -> bench/results/sft.*  (needs pip install -e ".[bench]")
     python bench/run.py --suite dpo              # ~35 minutes -> bench/results/dpo.*  (needs pip install -e ".[bench]")
     python bench/run.py --suite grpo             # ~25 minutes -> bench/results/grpo.* (needs pip install -e ".[bench]")
+    python bench/run.py --suite agent --repeats 3  # ~45 minutes -> bench/results/agent.* (as grpo)
 
 Each suite writes a JSON file with every run's raw figures, a Markdown table and a PNG chart of throughput per
 configuration (median, min-max bars). ``latest.json`` also carries every other suite's ratios, read from their
@@ -38,6 +39,13 @@ each) on the first 32 embedded prompts for one epoch (8 steps) against TRL's GRP
 transformers, both with the routing reward, LoRA dropout off and beta 0. Its ratio is of completions per second
 over whole steps (sampling, scoring and training, from the first step's sampling to the last optimizer step); the
 table splits each side's step into the three.
+
+The agent suite trains GRPO with a live tool (``--tools``) on the embedded order tickets
+(``finetune.data.embedded.order_tickets``): 16 tickets, 8 steps of 8 episodes, from the chat recipe's adapter
+trained on the tickets' tool-use conversations first (merged; both sides start from it), against TRL's
+GRPOTrainer with ``tools=``, generating with transformers, with the same settings (``baselines.trl_agent``). Its
+ratio is of episodes per second over whole steps (each episode's turns and tool calls are its sampling); the held-out
+success of each side's adapter on 40 tickets is judged alike, by the recipe's greedy episodes.
 
 The embed suite trains the embedding recipe on the first 1,280 embedded ticket-answer pairs for one epoch against
 sentence-transformers' trainer with the same model, loss, optimizer settings and global batch (32; and 128, the
@@ -79,7 +87,8 @@ def main() -> None:
                              "against the same checkpoints not pushed (about 5 minutes); token_classify: the "
                              "tagging recipe against Trainer run the run_ner.py way, speed and F1; sft: the chat "
                              "recipe, packed and padded, against TRL's SFTTrainer; dpo: the preference recipe "
-                             "against TRL's DPOTrainer; grpo: the GRPO recipe against TRL's GRPOTrainer.")
+                             "against TRL's DPOTrainer; grpo: the GRPO recipe against TRL's GRPOTrainer; agent: "
+                             "GRPO with a tool against TRL's GRPOTrainer(tools=...).")
     args = parser.parse_args()
     suite = SUITES[args.suite]
     if args.repeats < 1:

@@ -50,6 +50,9 @@ class Config:
     long_chats: bool = False
     """sft and dpo: trains and evaluates on chats (or pairs) cut to ``LONG_CHAT_TOKENS`` (the memory comparison),
     not the embedded conversations (or pairs)."""
+    start_model: str | None = None
+    """A model folder the suite's ``write_data`` leaves in the data's folder (its path there), which the run
+    trains from rather than the recipe's default model."""
 
 
 class Ratio(NamedTuple):
@@ -442,6 +445,63 @@ GRPO = Suite(
     eval_examples=8,
     flops=lambda: {"per_token": float("nan"), "per_example": float("nan")},
 )
+AGENT_TASK = "finetune.data.embedded.order_tickets"
+AGENT_START = "sft/merged"
+"""Where ``write_agent_data`` leaves the model both sides of the agent suite start from."""
+AGENT_FLAGS = ["--lora_dropout", "0", "--chat_template", "qwen2_5", "--tools", f"{AGENT_TASK}:lookup_order",
+               "--reward_funcs", f"{AGENT_TASK}:resolved", "--per_device_train_batch_size", "8",
+               "--num_generations", "4", "--max_completion_length", "64", "--learning_rate", "1e-4",
+               "--logging_steps", "1"]
+"""GRPO with the live tool as ``bench/agent_default.py`` runs it (a step: 8 episodes, 2 tickets x 4, at most 64
+sampled tokens each over all turns; learning rate 1e-4) with LoRA's dropout off, as on TRL's side."""
+
+
+def write_agent_data(folder: Path, train_examples: int, eval_examples: int) -> tuple[Path, Path]:
+    """The first ``train_examples`` of the order tickets' GRPO prompts and the first ``eval_examples`` held-out ones
+    (``finetune.data.embedded.order_tickets``) as jsonl files both sides read; and the model both start from in
+    ``AGENT_START``: the chat recipe's adapter on the tickets' tool-use conversations (2 epochs, about 4 minutes
+    here), merged, as the agent pipeline's first step trains it."""
+    import subprocess
+
+    from finetune.data.embedded.order_tickets import write_files
+
+    written = write_files(folder / "orders")
+    paths = []
+    for split, count in (("train", train_examples), ("validation", eval_examples)):
+        path = folder / f"{split}.jsonl"
+        path.write_text("".join(written[f"prompts_{split}"].read_text().splitlines(keepends=True)[:count]))
+        paths.append(path)
+    sft = folder / Path(AGENT_START).parent
+    subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                    str(REPO / "recipes" / "sft.py"), "--train_file", str(written["conversations_train"]),
+                    "--validation_file", str(written["conversations_validation"]), "--chat_template", "qwen2_5",
+                    "--tools", f"{AGENT_TASK}:lookup_order", "--eval_generate", "0", "--merge_lora",
+                    "--output_dir", str(sft)], cwd=REPO, check=True, capture_output=True)
+    return paths[0], paths[1]
+
+
+AGENT = Suite(
+    "agent",
+    results_file="agent",
+    configs=[
+        Config("agent_recipe", "grpo.py --tools, accelerate launch (LoRA dropout off)", "accelerate", recipe="grpo",
+               recipe_flags=AGENT_FLAGS, start_model=AGENT_START),
+        Config("trl_agent", "TRL GRPOTrainer(tools=...), use_vllm=False (transformers' generate), activation "
+               "checkpointing off", "python", recipe="grpo", start_model=AGENT_START),
+    ],
+    # Both sides roll out as many episodes of the same tickets: episodes per second over whole steps, from the first
+    # step's sampling to the last optimizer step; each episode's sampling and tool calls count as its generation.
+    ratios={"agent_vs_trl": Ratio("agent_recipe", "trl_agent", 1.3)},
+    memory_ratios={"agent_peak_memory_vs_trl": Ratio("agent_recipe", "trl_agent", 1.0)},
+    # Held-out success of each side's trained model on 40 tickets, judged alike (the recipe's greedy episodes): one
+    # ticket is 0.025, and a side's standard error near 0.07 where success is near 0.8.
+    differences={"agent_success_minus_trl": Difference("agent_recipe", "trl_agent", "quality", -0.1)},
+    write_data=write_agent_data,
+    train_examples=16,
+    eval_examples=40,
+    flops=lambda: {"per_token": float("nan"), "per_example": float("nan")},
+    quality="eval_reward",
+)
 EMBED_BATCH, EMBED_LARGE_BATCH = 32, 128
 EMBED = Suite(
     "embed",
@@ -471,4 +531,4 @@ EMBED = Suite(
     flops=embedder_flops,
     quality="eval_mrr@10",
 )
-SUITES = {suite.name: suite for suite in (CLASSIFY, HUB_PUSH, TOKEN_CLASSIFY, EMBED, SFT, DPO, GRPO)}
+SUITES = {suite.name: suite for suite in (CLASSIFY, HUB_PUSH, TOKEN_CLASSIFY, EMBED, SFT, DPO, GRPO, AGENT)}

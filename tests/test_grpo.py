@@ -275,6 +275,30 @@ def test_a_completion_depends_on_its_prompt_and_seed_not_on_what_shares_its_batc
     assert model.training, "sampling leaves the model's mode as it found it"
 
 
+STOPS = [2, 2716, 4201, 13504]
+"""End-of-turn ids for the tiny model's completions below: tokens that its seeds sample, so replies end at different
+lengths."""
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_turn_run_on_from_its_kept_cache_samples_what_the_whole_context_run_again_samples(chat_tokenizer,
+                                                                                           temperature):
+    model = tiny_llama(chat_tokenizer, initializer_range=0.05)
+    model.generation_config.eos_token_id = STOPS
+    long, short = chat_tokenizer.encode("hello there, how are you doing today"), chat_tokenizer.encode("a b")
+    options = dict(max_new_tokens=12, temperature=temperature, top_p=0.9, pad_token_id=2)
+    first, kept = sample_completions(model, [long, short], [2, 1], [1, 2, 3], keep=True, **options)
+    assert sorted(map(len, first))[0] < len(max(first, key=len)), "a row ended before the others: its tail is masked"
+    # The next turn of rows 2 and 0 (another order, one left out), after tool results of other lengths
+    contexts = [short + first[2] + chat_tokenizer.encode("result: ok"),
+                long + first[0] + chat_tokenizer.encode("result: the order has shipped")]
+    again = sample_completions(model, contexts, [1, 1], [7, 8], **options)
+    run_on, kept = sample_completions(model, contexts, [1, 1], [7, 8], past=kept.select([2, 0]), keep=True, **options)
+    assert run_on == again
+    assert kept.attention.sum(1).tolist() == [len(c) + len(r) - (len(r) == max(map(len, again)))
+                                              for c, r in zip(contexts, run_on, strict=True)]
+
+
 def test_nucleus_sampling_draws_only_from_the_smallest_set_that_reaches_top_p():
     model = tiny_llama_with_logits([0.5, 0.3, 0.15, 0.05])
     draws = sample_completions(model, [[0]], [200], list(range(200)), max_new_tokens=1, temperature=1.0, top_p=0.75,

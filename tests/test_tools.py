@@ -211,10 +211,11 @@ class Scripted:
     def __init__(self, replies: list[list[int]]):
         self.replies, self.turn = replies, 0
 
-    def __call__(self, model, prompts, counts, seeds, max_new_tokens):
+    def __call__(self, model, prompts, counts, seeds, max_new_tokens, past=None, keep=False):
         reply = self.replies[self.turn]
         self.turn += 1
-        return [reply[:max_new_tokens] for count in counts for _ in range(count)]
+        replies = [reply[:max_new_tokens] for count in counts for _ in range(count)]
+        return (replies, None) if keep else replies
 
 
 def rendered_reply(tokenizer, messages, turn, tools, stop_text) -> list[int]:

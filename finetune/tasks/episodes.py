@@ -197,14 +197,15 @@ class Episodes:
              sharded: bool = False) -> list[Episode]:
         """``counts[i]`` episodes of each prompt (``prompts`` ids, ``prompt_messages`` the messages they render,
         ``rows`` its row's columns, which an environment's ``reset`` gets), each turn's replies sampled by
-        ``sample(model, prompts, counts, seeds, max_new_tokens=...)`` (seeded per episode with ``seeds(turn)``). A
-        sharded model's processes sample together until none has an episode going."""
+        ``sample(model, prompts, counts, seeds, max_new_tokens=..., past=..., keep=True)`` (seeded per episode with
+        ``seeds(turn)``; ``finetune.tasks.rollout.sample_completions``), each turn from the episode's KV cache of
+        its last. A sharded model's processes sample together until none has an episode going."""
         owners = [i for i, count in enumerate(counts) for _ in range(count)]
         episodes = [Episode(prompts[i], prompt_messages[i]) for i in owners]
         if self.pool.environment_index is not None:
             self._reset(episodes, [rows[i] for i in owners])
         budget = self.args.max_completion_length
-        turn = 0
+        turn, kept, kept_episodes = 0, None, []
         while True:
             going = [k for k, episode in enumerate(episodes) if not episode.ended]
             left = max((budget - episodes[k].sampled for k in going), default=0)
@@ -214,13 +215,18 @@ class Episodes:
                 break
             turn_seeds = seeds(turn)
             if turn == 0 and all(e.prompt is prompts[i] for e, i in zip(episodes, owners, strict=True)):
-                replies = sample(model, prompts, counts, turn_seeds, max_new_tokens=left)  # a group's prompt once
+                # A group's prompt once
+                replies, kept = sample(model, prompts, counts, turn_seeds, max_new_tokens=left, keep=True)
             elif going:
-                replies = sample(model, [episodes[k].prompt + episodes[k].ids for k in going], [1] * len(going),
-                                 [turn_seeds[k] for k in going], max_new_tokens=left)
+                # Each episode's cache from its last turn: only the tokens since (tool results) run again.
+                past = kept.select([kept_episodes.index(k) for k in going]) if kept else None
+                replies, kept = sample(model, [episodes[k].prompt + episodes[k].ids for k in going],
+                                       [1] * len(going), [turn_seeds[k] for k in going], max_new_tokens=left,
+                                       past=past, keep=True)
             else:  # nothing left here, but another process samples: keep in step with it
                 sample(model, prompts[:1], [1], turn_seeds[:1], max_new_tokens=left)
-                replies = []
+                replies, kept = [], None
+            kept_episodes = going
             calls = [call for k, reply in zip(going, replies, strict=True)
                      for call in self._take_reply(episodes[k], k, reply)]
             self._answer(episodes, calls)

@@ -29,7 +29,7 @@ from finetune.tasks.grpo import Advantages, completion_loss_units, group_advanta
 from finetune.tasks.rewards import RewardFailures, RewardPool
 from finetune.tasks.scoring import RewardJudge, eval_rewards, failed_table, reward_names, score_replies
 
-__all__ = ["EvalReplyRewards", "RolloutSampler", "Rollouts", "greedy_sampling", "sample_completions"]
+__all__ = ["EvalReplyRewards", "KeptCache", "RolloutSampler", "Rollouts", "greedy_sampling", "sample_completions"]
 
 
 class RolloutSampler(GlobalBatchSampler):
@@ -71,8 +71,25 @@ class RolloutSampler(GlobalBatchSampler):
         return order, starts, np.arange(len(starts)) // (self.accumulation_steps * self.num_iterations)
 
 
+@dataclasses.dataclass
+class KeptCache:
+    """The keys and values of a ``sample_completions`` call's rows (``keep=True``), for the next turn of each:
+    ``attention`` is 1 at the columns that hold a token of the row's context (its prompt, then its reply but the
+    tokens sampled after it ended), in order, so a row's cache holds the first ``attention[row].sum()`` tokens of
+    its context."""
+
+    cache: object
+    attention: torch.Tensor
+
+    def select(self, rows: list[int]) -> KeptCache:
+        index = torch.tensor(rows, device=self.attention.device)
+        self.cache.reorder_cache(index)
+        return KeptCache(self.cache, self.attention[index])
+
+
 def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds: list[int], *, max_new_tokens: int,
-                       temperature: float, top_p: float, pad_token_id: int) -> list[list[int]]:
+                       temperature: float, top_p: float, pad_token_id: int, past: KeptCache | None = None,
+                       keep: bool = False):
     """``counts[i]`` sampled completions of each prompt (token ids), in order: each completion through its first
     end-of-turn token (the model's ``generation_config.eos_token_id``), or ``max_new_tokens`` long.
 
@@ -81,26 +98,36 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
     any number of processes, and a resumed run what the uninterrupted one did. Each prompt's KV cache is computed
     once and copied to its completions. ``model`` is unwrapped; it samples in eval mode (no dropout). At
     ``temperature`` 0 every completion is the greedy one.
+
+    An episode's next turn runs only its new tokens: ``past`` (each prompt's row, counts all 1) holds the start of
+    each prompt, the context of the row's last call, and ``keep=True`` returns ``(completions, KeptCache)``.
     """
     device = next(model.parameters()).device
-    longest = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_token_id] * (longest - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+    held = past.attention.sum(1).tolist() if past is not None else [0] * len(prompts)
+    news = [p[h:] for p, h in zip(prompts, held, strict=True)]
+    # At least two columns: one prompt column at least is run before the loop, as every call does (a sharded
+    # model's processes run their forwards together).
+    longest = max(2, *map(len, news))
+    ids = torch.tensor([[pad_token_id] * (longest - len(p)) + p for p in news], device=device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in news], device=device)
     rows = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(counts, device=device))
     generators = [torch.Generator(device).manual_seed(seed) for seed in seeds]
     stops = torch.tensor(model.generation_config.eos_token_id, device=device).view(-1)
+    positions = torch.tensor(held, device=device)[:, None] + (mask.cumsum(1) - 1).clamp(min=0)
+    keyword = cache_keyword(model)
+    cached = {} if past is None else {keyword: past.cache}
+    attention = mask if past is None else torch.cat([past.attention, mask], 1)
     sharded = is_sharded(model)
     training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            # The prompts but their last token, once each; the last token is the first input of the loop.
-            keyword = cache_keyword(model)
-            cache = getattr(model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True,
-                                  position_ids=(mask[:, :-1].cumsum(1) - 1).clamp(min=0)), keyword)
+            # The new tokens but the last, once for each prompt; the last token is the first input of the loop.
+            cache = getattr(model(input_ids=ids[:, :-1], attention_mask=attention[:, :-1], use_cache=True,
+                                  position_ids=positions[:, :-1], **cached), keyword)
             cache.reorder_cache(rows)
-            tokens, attention = ids[rows, -1:], mask[rows]
-            positions = attention.sum(1, keepdim=True) - 1
+            tokens, attention, positions = ids[rows, -1:], attention[rows], positions[rows, -1:]
+            first = attention.shape[1]  # the column of the first sampled token
             done = torch.zeros(len(rows), dtype=torch.bool, device=device)
             generated = []
             for _ in range(max_new_tokens):
@@ -125,7 +152,14 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
     generated = torch.cat(generated, 1)
     ended = torch.isin(generated, stops)
     lengths = torch.where(ended.any(1), ended.int().argmax(1) + 1, generated.shape[1])
-    return [row[:length].tolist() for row, length in zip(generated, lengths.tolist(), strict=True)]
+    completions = [row[:length].tolist() for row, length in zip(generated, lengths.tolist(), strict=True)]
+    if not keep:
+        return completions
+    # The cache holds every input so far: the last sampled token is not one. What a row sampled after its end is.
+    attention = attention[:, :cache.get_seq_length()].clone()
+    sampled = torch.arange(attention.shape[1], device=device)[None] - first
+    attention[sampled >= lengths[:, None]] = 0
+    return completions, KeptCache(cache, attention)
 
 
 def greedy_sampling(pad_token_id: int):
