@@ -297,6 +297,10 @@ def test_a_turn_run_on_from_its_kept_cache_samples_what_the_whole_context_run_ag
     assert run_on == again
     assert kept.attention.sum(1).tolist() == [len(c) + len(r) - (len(r) == max(map(len, again)))
                                               for c, r in zip(contexts, run_on, strict=True)]
+    # A third turn, from the cache the second kept (its rows packed again)
+    contexts = [contexts[1] + run_on[1] + chat_tokenizer.encode("ok"), contexts[0] + run_on[0] + [5]]
+    assert (sample_completions(model, contexts, [1, 1], [9, 10], past=kept.select([1, 0]), **options)
+            == sample_completions(model, contexts, [1, 1], [9, 10], **options))
 
 
 def test_nucleus_sampling_draws_only_from_the_smallest_set_that_reaches_top_p():

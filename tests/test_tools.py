@@ -7,12 +7,25 @@ from __future__ import annotations
 import copy
 import json
 import re
+import sys
 from pathlib import Path
 
 import datasets
 import pytest
 import trl
-from helpers import load_recipe, log_history, read_jsonl, read_results, refused_here, run_on, train_here
+from helpers import (
+    free_port,
+    load_recipe,
+    log_history,
+    one_error_line,
+    read_jsonl,
+    read_results,
+    recipe_path,
+    refused_here,
+    run,
+    run_on,
+    train_here,
+)
 from safetensors.torch import load_file
 
 from finetune.errors import UserError
@@ -340,6 +353,20 @@ def test_bad_tools_and_turns_are_refused_before_the_model_loads(tiny_chat_model,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_under_torchrun_a_tools_file_without_the_function_is_one_line_and_status_2(tiny_chat_model, shop, orders,
+                                                                                    tmp_path):
+    """The tools are checked in a worker of every process before the model loads (``finetune torchrun``: one
+    line for the processes, as for every refusal)."""
+    result = run([sys.executable, "-m", "finetune.cli", "torchrun", "--nproc_per_node", "2", "--master_port",
+                  str(free_port()), recipe_path("grpo"), *orders, "--model_name_or_path", str(tiny_chat_model),
+                  "--output_dir", str(tmp_path / "out"), "--reward_funcs", f"{shop}:states_the_status",
+                  "--chat_template", "qwen2_5", "--tools", f"{shop}:refund"], check=False)
+    line = one_error_line(result.returncode, result.stderr, "has no 'refund'")
+    assert result.stderr.strip().splitlines()[-1] == line and not (tmp_path / "out").exists()
+
+
 # -- every layout samples, scores and trains the same episodes
 
 @pytest.fixture(scope="module")
@@ -391,6 +418,41 @@ def tool_model(tmp_path_factory, chat_tokenizer, shop) -> Path:
     return folder
 
 
+@pytest.mark.slow
+def test_episodes_run_on_from_their_kept_caches_as_episodes_that_run_each_turn_whole(tool_model, lookup):
+    """The tool-calling model's episodes, sampled: each turn from the episode's cache of its last, and each turn's
+    whole context run again, are the same ids."""
+    import functools
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.tasks.rollout import sample_completions
+
+    class Args:
+        max_completion_length, max_turns = 48, None
+
+    model = AutoModelForCausalLM.from_pretrained(tool_model)
+    model.generation_config.eos_token_id = [2]
+    tokenizer = AutoTokenizer.from_pretrained(tool_model)
+    sample = functools.partial(sample_completions, temperature=1.0, top_p=1.0, pad_token_id=2)
+
+    def whole(*args, past=None, **kwargs):
+        return sample(*args, **kwargs)
+
+    messages = [[{"role": "user", "content": f"Where is order A{k}?"}] for k in range(4)]
+    prompts = [tokenizer(tokenizer.apply_chat_template(m, tools=lookup.schemas, tokenize=False,
+                                                       add_generation_prompt=True), add_special_tokens=False)
+               ["input_ids"] for m in messages]
+    episodes = Episodes(Args, tokenizer, lookup)
+    def seeds(turn):
+        return list(range(16 * turn, 16 * turn + 16))
+
+    run_on, again = (episodes.roll(model, prompts, [4] * 4, messages, seeds, sampler) for sampler in (sample, whole))
+    assert [e.ids for e in run_on] == [e.ids for e in again]
+    tool_turns = {e.trained.count(0) for e in run_on}
+    assert max(e.turns for e in run_on) >= 2 and len(tool_turns) > 1, "turns ran on after tool turns of every length"
+
+
 TOOL_FLAGS = ["--max_completion_length", "48", "--num_generations", "4", "--logging_steps", "1",
               "--per_device_eval_batch_size", "16", "--learning_rate", "1e-2", "--num_iterations", "2",
               "--beta", "0.04", "--max_train_steps", "4", "--checkpointing_steps", "2"]
@@ -414,9 +476,9 @@ def tool_runs(tool_model, shop, orders, tmp_path_factory) -> dict[str, Path]:
     for name, sharded in (("torchrun", []), ("fsdp", ["--fsdp"])):
         runs[name] = run_on("grpo", tool_model, orders, outs[name], *flags, *environment, *sharded,
                             "--per_device_train_batch_size", "4", launcher="torchrun", processes=2)
-    for name, run in runs.items():  # the evaluation before training, which the trackers get as step 0
+    for name, launched in runs.items():  # the evaluation before training, which the trackers get as step 0
         (outs[name] / "before_training.txt").write_text(
-            next(line for line in run.stdout.splitlines() if line.startswith("before training:")))
+            next(line for line in launched.stdout.splitlines() if line.startswith("before training:")))
     return outs
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from finetune.checkpointing.files import replacing
 from finetune.data.batching import GlobalBatchSampler, PlannedBatch
@@ -81,10 +82,27 @@ class KeptCache:
     cache: object
     attention: torch.Tensor
 
+    @staticmethod
+    def of(cache, attention: torch.Tensor) -> KeptCache | None:
+        """None where a layer's cache is not one plain tensor of every column (a sliding window counts columns,
+        padding ones too; a recurrent state has read the padding): such a model's next turn runs its whole
+        context again."""
+        layers = getattr(cache, "layers", None)
+        return KeptCache(cache, attention) if layers and all(type(layer) is DynamicLayer for layer in layers) else None
+
     def select(self, rows: list[int]) -> KeptCache:
-        index = torch.tensor(rows, device=self.attention.device)
-        self.cache.reorder_cache(index)
-        return KeptCache(self.cache, self.attention[index])
+        """These rows, in this order, each row's columns packed to the right (what went before dropped): the
+        cache is as wide as the longest context it holds, however many turns and ended rows it has seen. (Each
+        column's position was set when it ran, so moving it changes nothing.) The cache is changed in place."""
+        attention = self.attention[torch.tensor(rows, device=self.attention.device)]
+        width = int(attention.sum(1).max())
+        order = torch.argsort(attention, dim=1, stable=True)[:, -width:]  # dead columns first, then live, in order
+        for layer in self.cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            rows_index = torch.tensor(rows, device=layer.keys.device)
+            layer.keys = layer.keys[rows_index].gather(2, index)
+            layer.values = layer.values[rows_index].gather(2, index)
+        return KeptCache(self.cache, attention.gather(1, order))
 
 
 def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds: list[int], *, max_new_tokens: int,
@@ -100,7 +118,8 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
     ``temperature`` 0 every completion is the greedy one.
 
     An episode's next turn runs only its new tokens: ``past`` (each prompt's row, counts all 1) holds the start of
-    each prompt, the context of the row's last call, and ``keep=True`` returns ``(completions, KeptCache)``.
+    each prompt, the context of the row's last call, and ``keep=True`` returns ``(completions, KeptCache)`` (None
+    for a model whose cache cannot be run on: ``KeptCache.of``).
     """
     device = next(model.parameters()).device
     held = past.attention.sum(1).tolist() if past is not None else [0] * len(prompts)
@@ -125,7 +144,8 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
             # The new tokens but the last, once for each prompt; the last token is the first input of the loop.
             cache = getattr(model(input_ids=ids[:, :-1], attention_mask=attention[:, :-1], use_cache=True,
                                   position_ids=positions[:, :-1], **cached), keyword)
-            cache.reorder_cache(rows)
+            if any(count != 1 for count in counts):
+                cache.reorder_cache(rows)
             tokens, attention, positions = ids[rows, -1:], attention[rows], positions[rows, -1:]
             first = attention.shape[1]  # the column of the first sampled token
             done = torch.zeros(len(rows), dtype=torch.bool, device=device)
@@ -159,7 +179,7 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
     attention = attention[:, :cache.get_seq_length()].clone()
     sampled = torch.arange(attention.shape[1], device=device)[None] - first
     attention[sampled >= lengths[:, None]] = 0
-    return completions, KeptCache(cache, attention)
+    return completions, KeptCache.of(cache, attention)
 
 
 def greedy_sampling(pad_token_id: int):
