@@ -357,9 +357,10 @@ def test_bad_tools_and_turns_are_refused_before_the_model_loads(tiny_chat_model,
 @pytest.mark.multiprocess
 def test_under_torchrun_a_tools_file_without_the_function_is_one_line_and_status_2(tiny_chat_model, shop, orders,
                                                                                     tmp_path):
-    """The tools are checked in a worker of every process before the model loads (``finetune torchrun``: one
-    line for the processes, as for every refusal)."""
-    result = run([sys.executable, "-m", "finetune.cli", "torchrun", "--nproc_per_node", "2", "--master_port",
+    """The tools are checked in a worker process before the model loads, and the launched recipe reports it as
+    every refusal (``finetune torchrun``; one process: with two, a refusal waits about 30 s for the other, as
+    ``test_bad_input``'s do)."""
+    result = run([sys.executable, "-m", "finetune.cli", "torchrun", "--nproc_per_node", "1", "--master_port",
                   str(free_port()), recipe_path("grpo"), *orders, "--model_name_or_path", str(tiny_chat_model),
                   "--output_dir", str(tmp_path / "out"), "--reward_funcs", f"{shop}:states_the_status",
                   "--chat_template", "qwen2_5", "--tools", f"{shop}:refund"], check=False)
@@ -461,18 +462,19 @@ TOOL_FLAGS = ["--max_completion_length", "48", "--num_generations", "4", "--logg
 @pytest.fixture(scope="module")
 def tool_runs(tool_model, shop, orders, tmp_path_factory) -> dict[str, Path]:
     """4 steps of 8 episodes (2 prompts x 4), two passes over each rollout and a KL term: on 1 process, on 1 with
-    accumulation 2, on 2 processes under torchrun, and sharded (``--fsdp``); checkpoints every 2 steps. Under
-    torchrun the tool is an environment's method (``Orders``), elsewhere the function. (The single-turn parity runs
-    cover ``accelerate launch``: the rollouts are the runtimes'.)"""
+    accumulation 2, on 2 processes under accelerate launch and torchrun, and sharded (``--fsdp``); checkpoints
+    every 2 steps. Under torchrun the tool is an environment's method (``Orders``), elsewhere the function."""
     tools = ["--tools", f"{shop}:lookup_order"]
     environment = ["--environment", f"{shop}:Orders"]
     outs = {name: tmp_path_factory.mktemp("tools") / name
-            for name in ("one", "accumulation", "torchrun", "fsdp")}
+            for name in ("one", "accumulation", "accelerate", "torchrun", "fsdp")}
     flags = [*TOOL_FLAGS, "--reward_funcs", f"{shop}:states_the_status"]
     runs = {"one": run_on("grpo", tool_model, orders, outs["one"], *flags, *tools,
                           "--per_device_train_batch_size", "8"),
             "accumulation": run_on("grpo", tool_model, orders, outs["accumulation"], *flags, *tools,
-                                   "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2")}
+                                   "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"),
+            "accelerate": run_on("grpo", tool_model, orders, outs["accelerate"], *flags, *tools,
+                                 "--per_device_train_batch_size", "4", launcher="accelerate", processes=2)}
     for name, sharded in (("torchrun", []), ("fsdp", ["--fsdp"])):
         runs[name] = run_on("grpo", tool_model, orders, outs[name], *flags, *environment, *sharded,
                             "--per_device_train_batch_size", "4", launcher="torchrun", processes=2)
@@ -501,7 +503,7 @@ def test_every_layout_samples_the_same_episodes_calls_the_same_tools_and_trains_
     adapter = load_file(tool_runs["one"] / "adapter_model.safetensors")
     results = read_results(tool_runs["one"])
     assert results["eval_tools/calls/mean"] > 0.5 and "eval_reward" in results
-    for name in ("accumulation", "torchrun", "fsdp"):
+    for name in ("accumulation", "accelerate", "torchrun", "fsdp"):
         history = log_history(tool_runs[name])
         assert [h["step"] for h in history] == [1, 2, 3, 4], name
         assert (tool_runs[name] / "before_training.txt").read_text() == before, name  # the same greedy episodes
