@@ -175,7 +175,7 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
     completions = [row[:length].tolist() for row, length in zip(generated, lengths.tolist(), strict=True)]
     if not keep:
         return completions
-    # The cache holds every input so far: the last sampled token is not one. What a row sampled after its end is.
+    # The cache holds every input so far, not the last sampled token; what a row sampled after its end is masked.
     attention = attention[:, :cache.get_seq_length()].clone()
     sampled = torch.arange(attention.shape[1], device=device)[None] - first
     attention[sampled >= lengths[:, None]] = 0
