@@ -29,13 +29,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from sft_default import launch_default_run, recipe_metrics  # noqa: E402
+from suites import AGENT_GRPO, AGENT_TOOLS  # noqa: E402
 
 from finetune.data.embedded.order_tickets import write_files  # noqa: E402
 
-TASK = "finetune.data.embedded.order_tickets"
-TOOLS = ["--chat_template", "qwen2_5", "--tools", f"{TASK}:lookup_order"]
-GRPO = [*TOOLS, "--reward_funcs", f"{TASK}:resolved", "--per_device_train_batch_size", "8", "--num_generations", "4",
-        "--max_completion_length", "64", "--max_train_steps", "20", "--logging_steps", "1"]
+GRPO = [*AGENT_GRPO, "--max_train_steps", "20"]
 """(No --learning_rate: ``main`` adds it.)"""
 
 
@@ -43,7 +41,7 @@ def main(results_file: Path, learning_rate: str) -> None:
     torch.set_num_threads(2)
     grpo = [*GRPO, "--learning_rate", learning_rate]
     results = {"device": f"cpu ({torch.get_num_threads()} threads)", "torch": torch.__version__,
-               "sft_flags": TOOLS, "grpo_flags": grpo}
+               "sft_flags": AGENT_TOOLS, "grpo_flags": grpo}
     with tempfile.TemporaryDirectory() as scratch:
         data = write_files(Path(scratch, "orders"))
         conversations = ["--train_file", str(data["conversations_train"]), "--validation_file",
@@ -53,8 +51,8 @@ def main(results_file: Path, learning_rate: str) -> None:
         results["base_model"] = {"held_out_success": base["eval_reward"],
                                  "tool_calls_per_episode": base["eval_tools/calls/mean"]}
         print(json.dumps(results), flush=True)
-        sft, wall, peak = launch_default_run("sft", Path(scratch, "sft"), *conversations, *TOOLS, "--eval_generate",
-                                             "0")
+        sft, wall, peak = launch_default_run("sft", Path(scratch, "sft"), *conversations, *AGENT_TOOLS,
+                                             "--eval_generate", "0")
         alone = recipe_metrics("grpo", "GRPOArguments", "GRPOTask",
                                [*prompts, *grpo, "--model_name_or_path", str(Path(scratch, "sft"))])
         results["sft"] = {"held_out_success": alone["eval_reward"],

@@ -448,12 +448,14 @@ GRPO = Suite(
 AGENT_TASK = "finetune.data.embedded.order_tickets"
 AGENT_START = "sft/merged"
 """Where ``write_agent_data`` leaves the model both sides of the agent suite start from."""
-AGENT_FLAGS = ["--lora_dropout", "0", "--chat_template", "qwen2_5", "--tools", f"{AGENT_TASK}:lookup_order",
-               "--reward_funcs", f"{AGENT_TASK}:resolved", "--per_device_train_batch_size", "8",
-               "--num_generations", "4", "--max_completion_length", "64", "--learning_rate", "1e-4",
-               "--logging_steps", "1"]
-"""GRPO with the live tool as ``bench/agent_default.py`` runs it (a step: 8 episodes, 2 tickets x 4, at most 64
-sampled tokens each over all turns; learning rate 1e-4) with LoRA's dropout off, as on TRL's side."""
+AGENT_TOOLS = ["--chat_template", "qwen2_5", "--tools", f"{AGENT_TASK}:lookup_order"]
+"""The agent pipeline's flags for both steps, the chat recipe's and GRPO's."""
+AGENT_GRPO = [*AGENT_TOOLS, "--reward_funcs", f"{AGENT_TASK}:resolved", "--per_device_train_batch_size", "8",
+              "--num_generations", "4", "--max_completion_length", "64", "--logging_steps", "1"]
+"""GRPO with the live tool (a step: 8 episodes, 2 tickets x 4, at most 64 sampled tokens each over all turns), as
+``bench/agent_default.py`` runs it."""
+AGENT_FLAGS = ["--lora_dropout", "0", *AGENT_GRPO, "--learning_rate", "1e-4"]
+"""The agent suite's GRPO: learning rate 1e-4, LoRA's dropout off, as on TRL's side."""
 
 
 def write_agent_data(folder: Path, train_examples: int, eval_examples: int) -> tuple[Path, Path]:
@@ -474,8 +476,8 @@ def write_agent_data(folder: Path, train_examples: int, eval_examples: int) -> t
     sft = folder / Path(AGENT_START).parent
     subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
                     str(REPO / "recipes" / "sft.py"), "--train_file", str(written["conversations_train"]),
-                    "--validation_file", str(written["conversations_validation"]), "--chat_template", "qwen2_5",
-                    "--tools", f"{AGENT_TASK}:lookup_order", "--eval_generate", "0", "--merge_lora",
+                    "--validation_file", str(written["conversations_validation"]), *AGENT_TOOLS,
+                    "--eval_generate", "0", "--merge_lora",
                     "--output_dir", str(sft)], cwd=REPO, check=True, capture_output=True)
     return paths[0], paths[1]
 

@@ -94,14 +94,14 @@ class KeptCache:
         """These rows, in this order, each row's columns packed to the right (what went before dropped): the
         cache is as wide as the longest context it holds, however many turns and ended rows it has seen. (Each
         column's position was set when it ran, so moving it changes nothing.) The cache is changed in place."""
-        attention = self.attention[torch.tensor(rows, device=self.attention.device)]
+        kept = torch.tensor(rows, device=self.attention.device)
+        attention = self.attention[kept]
         width = int(attention.sum(1).max())
         order = torch.argsort(attention, dim=1, stable=True)[:, -width:]  # dead columns first, then live, in order
         for layer in self.cache.layers:
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            rows_index = torch.tensor(rows, device=layer.keys.device)
-            layer.keys = layer.keys[rows_index].gather(2, index)
-            layer.values = layer.values[rows_index].gather(2, index)
+            layer.keys = layer.keys[kept].gather(2, index)
+            layer.values = layer.values[kept].gather(2, index)
         return KeptCache(self.cache, attention.gather(1, order))
 
 
