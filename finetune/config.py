@@ -81,9 +81,11 @@ class TrainConfig:
     mixed_precision: Literal["no", "fp16", "bf16"] | None = arg(
         None, "Overrides the launcher's choice (accelerate config); raw DDP supports no and bf16.")
     bf16: bool = arg(False, "Same as --mixed_precision bf16 (the flag of transformers' and TRL's scripts).")
-    gradient_checkpointing: bool = arg(False, "Keep only each transformer layer's input for the backward pass and "
-                                              "recompute the layer there (activation checkpointing): far less "
-                                              "memory for long rows, for a second forward pass; exact.")
+    gradient_checkpointing: bool | None = arg(
+        None, "Keep only each transformer layer's input for the backward pass and recompute the layer there "
+              "(activation checkpointing): far less memory for long rows, for a second forward pass; exact. "
+              "Default: on where keeping every activation of the longest micro-batch would need more than half the "
+              "memory the rest of the predicted peak leaves (docs/memory.md).")
 
     # Outputs, checkpoints, logging
     output_dir: str = arg("outputs", "Where the trained model, checkpoints and results go.")

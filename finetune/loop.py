@@ -322,19 +322,24 @@ def _fresh_progress(cfg: TrainConfig, runtime: Runtime, model) -> Progress:
 def _announce(task: Task, cfg: TrainConfig, runtime: Runtime, source: str, setup, sampler: GlobalBatchSampler,
               schedule: Schedule, model, epoch: int) -> None:
     """The start-up line, then each process's memory predicted (``finetune.models.estimate``), with a warning
-    naming what would make it fit where it does not."""
-    truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None else setup.truncated)
-    runtime.print(f"training {task.name} on {source}: {len(setup.train_set)} examples ({truncated} cut "
-                  f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {weight_dtypes(setup.model)}, "
-                  f"{'layers recomputed in the backward pass, ' if cfg.gradient_checkpointing else ''}"
-                  f"{schedule.max_steps} steps, "
-                  f"{runtime.world_size} process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU "
-                  f"thread(s) each [{runtime.name}]")
+    naming what would make it fit where it does not. Where --gradient_checkpointing is unset the prediction chooses
+    it, for every process alike (``MemoryEstimate.needs_recompute``)."""
     not_counted = ("the batches are sampled as the run goes" if setup.sampler is not None else
                    "a sharded model's forward needs its backward" if is_sharded(model) else "")
     estimate = predict_memory(runtime.unwrap(model), task.loss, setup.collate, setup.train_set,
                               None if not_counted else sampler.plan(epoch, runtime.rank), runtime.device,
-                              LaunchEnvironment.read().local_world_size, cfg.gradient_checkpointing, not_counted)
+                              LaunchEnvironment.read().local_world_size, bool(cfg.gradient_checkpointing), not_counted)
+    recompute = "layers recomputed in the backward pass, " if cfg.gradient_checkpointing else ""
+    if cfg.gradient_checkpointing is None and runtime.max_over_processes([float(estimate.needs_recompute())])[0]:
+        checkpoint_activations(runtime.unwrap(model))
+        estimate = estimate.recomputed()
+        recompute = "layers recomputed in the backward pass (every activation kept would not fit), "
+    truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None else setup.truncated)
+    runtime.print(f"training {task.name} on {source}: {len(setup.train_set)} examples ({truncated} cut "
+                  f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {weight_dtypes(setup.model)}, "
+                  f"{recompute}{schedule.max_steps} steps, "
+                  f"{runtime.world_size} process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU "
+                  f"thread(s) each [{runtime.name}]")
     runtime.print(estimate.line())
     if runtime.is_main_process and (advice := estimate.advice()):
         print(f"warning: {advice}", file=sys.stderr, flush=True)

@@ -132,6 +132,22 @@ def test_a_peak_past_the_capacity_names_the_flag_that_would_make_it_fit():
     assert "--gradient_checkpointing" not in estimate(16 * 2**30, checkpointing=True).advice()
 
 
+def test_layers_are_recomputed_by_default_where_every_activation_kept_would_need_over_half_of_what_is_left():
+    def estimate(activations: int | None, other_way: int | None = 2**30, checkpointing: bool = False):
+        return MemoryEstimate(in_use=4 * 2**30, gradients=2**30, optimizer=2**31, activations=activations,
+                              other_way=other_way, checkpointing=checkpointing, tokens="1 x 8192",
+                              capacity=24 * 2**30, device="machine")
+    assert not estimate(8 * 2**30).needs_recompute()  # 7 GiB of weights and states leave 17: 16 needed
+    assert estimate(9 * 2**30).needs_recompute()  # 18 needed
+    assert not estimate(9 * 2**30, other_way=None).needs_recompute()  # cannot recompute
+    assert not estimate(None, other_way=None).needs_recompute()  # not counted
+    assert not estimate(2**30, other_way=9 * 2**30, checkpointing=True).needs_recompute()  # recomputes already
+    chosen = estimate(9 * 2**30).recomputed()
+    assert (chosen.activations, chosen.other_way, chosen.checkpointing, chosen.peak) == (2**30, 9 * 2**30, True,
+                                                                                        8 * 2**30)
+    assert "1.0 GiB activations of the longest micro-batch (1 x 8192 tokens; 9.0 GiB without" in chosen.line()
+
+
 def test_counting_what_a_forward_keeps_keeps_none_of_it():
     """The estimate counts a micro-batch's forward without holding its activations (which would raise the run's
     peak by as much): each saved tensor is freed once the forward no longer uses it."""

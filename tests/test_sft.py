@@ -29,9 +29,11 @@ from helpers import (
 )
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from finetune.data.batching import TokenizedDataset
 from finetune.data.embedded.support_chats import make_support_conversations, routed_team
+from finetune.models.memory import checkpoint_activations
 from finetune.tasks.causal_lm import label_log_probs, language_model_collators
 from finetune.tasks.chat import IGNORE, tokenize_conversations
 
@@ -203,6 +205,33 @@ def test_gradient_checkpointing_trains_exactly_as_keeping_the_activations(tiny_c
     run_on("sft", tiny_chat_model, chat_files, tmp_path / "recomputed", *flags, "--gradient_checkpointing")
     assert_same_steps(log_history(tmp_path / "recomputed"), log_history(tmp_path / "kept"), rel=1e-6)
     assert max_weight_diff(tmp_path / "recomputed", tmp_path / "kept", "adapter_model.safetensors") <= 1e-6
+
+
+def test_unset_the_flag_recomputes_the_layers_where_the_estimate_says_every_activation_kept_would_not_fit(
+        tiny_chat_model, chat_files, tmp_path, monkeypatch):
+    """The rule itself is tests/test_memory.py's; here the loop acts on it, and --no_gradient_checkpointing wins."""
+    import finetune.loop
+    from finetune.models.estimate import MemoryEstimate
+
+    turned_on = []
+
+    def checkpointing(model):
+        checkpoint_activations(model)
+        layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+        turned_on.append(len(layers) == 2 and all(layer.gradient_checkpointing for layer in layers))
+
+    flags = ["--max_train_steps", "2", "--per_device_train_batch_size", "2", "--learning_rate", "1e-2",
+             "--eval_generate", "0"]
+    assert "layers recomputed" not in run_on("sft", tiny_chat_model, chat_files, tmp_path / "fits", *flags).stdout
+    monkeypatch.setattr(finetune.loop, "checkpoint_activations", checkpointing)
+    monkeypatch.setattr(MemoryEstimate, "needs_recompute", lambda estimate: not estimate.checkpointing)
+    kept = run_on("sft", tiny_chat_model, chat_files, tmp_path / "kept", *flags, "--no_gradient_checkpointing")
+    assert "layers recomputed" not in kept.stdout and turned_on == []
+    chosen = run_on("sft", tiny_chat_model, chat_files, tmp_path / "chosen", *flags)
+    assert "layers recomputed in the backward pass (every activation kept would not fit)" in chosen.stdout
+    assert turned_on == [True]
+    assert re.search(r"activations of the longest micro-batch \(\d+ x \d+ tokens; \d+ MiB without", chosen.stdout)
+    assert_same_steps(log_history(tmp_path / "chosen"), log_history(tmp_path / "kept"), rel=1e-6)
 
 
 def test_generations_are_the_saved_model_s_greedy_replies(tiny_chat_model, chat_files, tmp_path):
