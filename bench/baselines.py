@@ -4,7 +4,7 @@ DPOTrainer and GRPOTrainer.
     python bench/baselines.py KIND DATA_FILE OUT_DIR [--seed N] [--per_device_train_batch_size N] [--eval_file F]
     (KIND: loop_random, loop_same_optimizer, trainer_default, trainer_grouped, trainer_ner, loop_sft,
     trl_padding_free, trl_default, trl_memory, trl_long, loop_dpo, trl_dpo, trl_dpo_default, trl_dpo_memory,
-    trl_dpo_long, trl_grpo, trl_agent, st_mnrl or st_cached_mnrl_large;
+    trl_dpo_long, trl_grpo, trl_grpo_long, trl_agent, st_mnrl or st_cached_mnrl_large;
     the batch size is the chat and preference baselines' only, their recipe's by default; the memory kinds
     evaluate on --eval_file; trl_agent starts from --model_name_or_path and is held out on --eval_file)
     python bench/baselines.py agent_held_out PROMPTS_FILE OUT_DIR --model_name_or_path ADAPTER --eval_file F
@@ -135,13 +135,17 @@ def hand_written_loop(model, train, collate, batch_sampler, device, bf16, recipe
 
 def recipe_module(name: str):
     """``recipes/NAME.py`` as a module: its defaults and its task."""
+    return module_from(Path(__file__).parent.parent / "recipes" / f"{name}.py", f"{name}_recipe")
+
+
+def module_from(path: Path | str, name: str | None = None):
+    """The Python file at ``path`` as a module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"{name}_recipe",
-                                                  Path(__file__).parent.parent / "recipes" / f"{name}.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    return recipe
+    spec = importlib.util.spec_from_file_location(name or Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def recipe_setup(recipe, arguments, task_class, flags: list[str], batch_size: int | None):
@@ -331,13 +335,15 @@ def trl_dpo(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None
     trainer.train()
 
 
-def trl_grpo(train_jsonl: str, output_dir: str) -> None:
+def trl_grpo(kind: str, train_jsonl: str, output_dir: str, batch_size: int | None) -> None:
     """TRL's GRPOTrainer on the GRPO recipe's work: the same model, prompts, routing reward (TRL passes the
     ``team`` column to it), completions per step and per prompt, completion length, sampling temperature and
     top_p, loss type, reward scaling, clipping, LoRA settings with dropout off, learning rate, weight decay and
     logging interval, beta 0, one epoch, generation by transformers (``use_vllm=False``), float32 on a CPU,
     activation checkpointing off as the recipe runs, no evaluation. Its sampling (``_generate``) and scoring
-    (``_calculate_rewards``) are timed as the recipe's are."""
+    (``_calculate_rewards``) are timed as the recipe's are. ``trl_grpo_long`` is ``bench/long.py --recipe grpo``'s:
+    the model, reward (a .py file's ``varied``) and completion length in ``BENCH_LONG_MODEL``, ``BENCH_LONG_REWARD``
+    and ``BENCH_LONG_COMPLETION``, activation checkpointing on (TRL's default)."""
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
@@ -346,17 +352,22 @@ def trl_grpo(train_jsonl: str, output_dir: str) -> None:
 
     recipe = recipe_module("grpo")
     defaults, options = recipe.DEFAULTS, recipe.GRPOArguments(reward_funcs=[recipe.DEFAULT_REWARD])
-    args = GRPOConfig(output_dir=output_dir, per_device_train_batch_size=defaults["per_device_train_batch_size"],
-                      num_generations=defaults["num_generations"],
-                      max_completion_length=defaults["max_completion_length"], temperature=options.temperature,
+    model, reward = default_chat_model_path(), routing_reward
+    settings = {"gradient_checkpointing": False, "max_completion_length": defaults["max_completion_length"]}
+    if kind == "trl_grpo_long":
+        model, settings = os.environ["BENCH_LONG_MODEL"], {"max_completion_length": int(os.environ[
+            "BENCH_LONG_COMPLETION"])}
+        reward = module_from(os.environ["BENCH_LONG_REWARD"]).varied
+    args = GRPOConfig(output_dir=output_dir,
+                      per_device_train_batch_size=batch_size or defaults["per_device_train_batch_size"],
+                      num_generations=defaults["num_generations"], temperature=options.temperature,
                       top_p=options.top_p, loss_type=options.loss_type, scale_rewards=options.scale_rewards,
                       epsilon=options.epsilon, beta=0.0, learning_rate=defaults["learning_rate"],
                       weight_decay=RECIPE.weight_decay, num_train_epochs=1, seed=SEED, bf16=torch.cuda.is_available(),
-                      gradient_checkpointing=False, save_strategy="no", report_to="none",
-                      logging_steps=defaults["logging_steps"])
+                      save_strategy="no", report_to="none", logging_steps=defaults["logging_steps"], **settings)
     lora = LoraConfig(r=options.lora_r, lora_alpha=options.lora_alpha, lora_dropout=0.0,
                       target_modules=options.lora_target_modules, task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=default_chat_model_path(), reward_funcs=routing_reward, args=args,
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
                           train_dataset=datasets.load_dataset("json", data_files=train_jsonl, split="train"),
                           peft_config=lora)
     probe.time_phase(GRPOTrainer, "_generate", "generation",
@@ -485,8 +496,8 @@ def main(kind: str, train_csv: str, output_dir: str, seed: int, chat_batch_size:
     if kind == "trainer_ner":
         trainer_ner(output_dir, seed)
         return
-    if kind == "trl_grpo":
-        trl_grpo(train_csv, output_dir)
+    if kind.startswith("trl_grpo"):
+        trl_grpo(kind, train_csv, output_dir, chat_batch_size)
         return
     if kind.startswith("trl_dpo"):
         trl_dpo(kind, train_csv, output_dir, chat_batch_size, eval_file)

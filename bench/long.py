@@ -6,6 +6,8 @@
         --results_file bench/results/long-8k.json       # 8k rows (~2 min a step) and the estimate at both lengths
     python bench/long.py --recipe dpo --lengths 4096 --repeats 1 --configs finetune trl --return_freed_memory \
         --results_file bench/results/long-dpo.json       # DPO: chosen and rejected replies of 4k tokens each
+    python bench/long.py --recipe grpo --lengths 1024 --repeats 1 --configs finetune trl --return_freed_memory \
+        --results_file bench/results/long-grpo.json      # GRPO: completions of 1,024 tokens
     python bench/long.py --model_size 1b --lengths 8192 32768 --repeats 1 --configs finetune trl finetune_full \
         trl_full --results_file OUT/long-cuda.json       # bench/gpu_check.sh OUT long, on a GPU
 
@@ -26,6 +28,14 @@ dropout 0.05), learning rate and weight decay, float32, 2 threads:
 the same way from other conversations) rejected, against TRL's ``DPOTrainer`` with its defaults for such rows
 (activation checkpointing on, no length limit; ``bench/baselines.py trl_dpo_long``), the same LoRA settings with
 dropout off, beta and learning rate, a live reference (the adapters switched off) on both sides.
+
+``--recipe grpo`` trains the GRPO recipe with completions of LENGTH tokens: two steps of two prompts with 4
+completions each (8 completions a step), from a copy of the chat model whose end of turn is a token it never samples
+(both sides' completions run to the limit, as reasoning traces do), a reward that differs within a group (each
+completion's text length modulo 3), against TRL's ``GRPOTrainer`` generating with transformers, with its defaults
+(activation checkpointing on; ``bench/baselines.py trl_grpo_long``), the recipe's sampling, loss and LoRA settings
+with dropout off, beta 0. Tokens per second are the completions' sampled tokens over a whole step (sampling,
+scoring, training).
 
 ``--model_size 1b`` (the GPU check's ``long`` part) trains a Llama of 1.1B parameters instead (Llama 3.2 1B's
 shape over SmolLM2's vocabulary and template, seeded random weights built from a configuration: nothing is
@@ -132,13 +142,56 @@ def long_chat(tokens: int, first: int = 0) -> list[dict]:
             return chat
 
 
+TRL_BASELINES = {"sft": "trl_long", "dpo": "trl_dpo_long", "grpo": "trl_grpo_long"}
+GRPO_PROMPTS = 4
+"""Two steps of two prompts' groups of 4 completions each: 8 completions a step."""
+UNSAMPLED_END = "<empty_output>"
+"""A special token of SmolLM2's vocabulary its chat never produces."""
+VARIED_REWARD = """def varied(completions, **kwargs):
+    # Rewards that differ within a group, so that every completion trains.
+    return [float(len(str(completion)) % 3) for completion in completions]
+"""
+
+
+def endless_model(folder: Path) -> Path:
+    """The chat model (its weights linked) with its end of turn, ``<|im_end|>``, replaced by ``UNSAMPLED_END`` in
+    its generation config, tokenizer and chat template: every completion then runs on to ``--max_completion_length``
+    on both sides, as a long reasoning trace does, and they sample the same lengths."""
+    from transformers import AutoTokenizer
+
+    from finetune.models.loading import default_chat_model_path
+
+    source = Path(default_chat_model_path())
+    folder.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.name not in ("generation_config.json", "tokenizer_config.json", "config.json", "chat_template.jinja"):
+            (folder / file.name).symlink_to(file)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    end = tokenizer.convert_tokens_to_ids(UNSAMPLED_END)
+    # TRL stops at the end of sequence; the recipe at the end of turn the template writes
+    tokenizer.chat_template = tokenizer.chat_template.replace(tokenizer.eos_token, UNSAMPLED_END)
+    tokenizer.eos_token = UNSAMPLED_END
+    tokenizer.save_pretrained(folder)
+    for name in ("generation_config.json", "config.json"):
+        config = json.loads((source / name).read_text())
+        (folder / name).write_text(json.dumps({**config, "eos_token_id": end}, indent=2))
+    return folder
+
+
 def write_rows(folder: Path, tokens: int, recipe: str) -> tuple[Path, Path]:
     """Two copies of the long row for training; a short one to evaluate (which is not measured). A DPO row is a
-    pair: the chat row's reply chosen, one as long from other conversations rejected."""
+    pair: the chat row's reply chosen, one as long from other conversations rejected. GRPO's rows are the
+    recipe's first ``GRPO_PROMPTS`` prompts, whose completions grow ``tokens`` long."""
     from finetune.data.embedded.preference_pairs import make_preference_pairs
-    from finetune.data.embedded.support_chats import make_support_conversations
+    from finetune.data.embedded.support_chats import make_support_conversations, make_support_prompts
 
     train, validation = folder / f"{recipe}-{tokens}.jsonl", folder / f"{recipe}-short.jsonl"
+    if recipe == "grpo":
+        prompts = make_support_prompts()
+        train.write_text("".join(json.dumps(row) + "\n" for row in prompts["train"].select(range(GRPO_PROMPTS))))
+        validation.write_text(json.dumps(prompts["validation"][0]) + "\n")
+        (folder / "rewards.py").write_text(VARIED_REWARD)
+        return train, validation
     chat = long_chat(tokens)
     if recipe == "dpo":
         row = {"prompt": chat[:2], "chosen": chat[2:], "rejected": long_chat(tokens, first=7)[2:]}
@@ -152,19 +205,23 @@ def write_rows(folder: Path, tokens: int, recipe: str) -> tuple[Path, Path]:
 
 def command(config: str, train: Path, validation: Path, tokens: int, output_dir: Path, model: str | None,
             recipe: str) -> list[str]:
-    if config.startswith("trl"):  # the model and full fine-tuning reach the baseline through BENCH_LONG_*
-        return [sys.executable, str(BENCH / "baselines.py"), "trl_dpo_long" if recipe == "dpo" else "trl_long",
-                str(train), str(output_dir), "--per_device_train_batch_size", "1"]
+    rows = 2 * 4 if recipe == "grpo" else 1  # GRPO: two groups of 4 completions a step
+    if config.startswith("trl"):  # the model, full fine-tuning and GRPO's reward reach it through BENCH_LONG_*
+        return [sys.executable, str(BENCH / "baselines.py"), TRL_BASELINES[recipe],
+                str(train), str(output_dir), "--per_device_train_batch_size", str(rows)]
     import torch
 
     flags = ["--gradient_checkpointing"] if config != "finetune_kept" else []
+    if recipe == "grpo":
+        flags += ["--reward_funcs", f"{train.parent / 'rewards.py'}:varied", "--max_completion_length", str(tokens),
+                  "--num_generations", "4", "--lora_dropout", "0"]
     flags += ["--no_use_lora"] if config.endswith("_full") else []
     flags += ["--model_name_or_path", model] if model else []
     flags += ["--mixed_precision", "bf16"] if torch.cuda.is_available() else []
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_cpu_threads_per_process",
             "2", str(BENCH / "probe.py"), str(REPO / "recipes" / f"{recipe}.py"), "--train_file", str(train),
             "--validation_file", str(validation), "--max_seq_length", str(tokens + 512),
-            "--per_device_train_batch_size", "1", "--per_device_eval_batch_size", "1", "--num_train_epochs", "1",
+            "--per_device_train_batch_size", str(rows), "--per_device_eval_batch_size", "1", "--num_train_epochs", "1",
             "--eval_generate", "0", "--output_dir", str(output_dir), *flags]
 
 
@@ -175,7 +232,8 @@ def run(config: str, train: Path, validation: Path, tokens: int, scratch: Path, 
         shutil.rmtree(folder, ignore_errors=True)
     reports.mkdir(parents=True)
     allocator = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if return_freed else {}
-    baseline = {"BENCH_LONG_MODEL": model or "", "BENCH_LONG_FULL": "1" if config.endswith("_full") else ""}
+    baseline = {"BENCH_LONG_MODEL": model or "", "BENCH_LONG_FULL": "1" if config.endswith("_full") else "",
+                "BENCH_LONG_REWARD": str(train.parent / "rewards.py"), "BENCH_LONG_COMPLETION": str(tokens)}
     result = subprocess.run(command(config, train, validation, tokens, output_dir, model, recipe), cwd=REPO,
                             capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "2", "BENCH_REPORT_DIR": str(reports),
@@ -204,12 +262,80 @@ def run(config: str, train: Path, validation: Path, tokens: int, scratch: Path, 
     return figures
 
 
+def lengths_measured(results: dict) -> dict[int, dict]:
+    """Each length's summary, this run's and those kept from earlier runs (with their dates), shortest first."""
+    every = {**results.get("earlier", {}),
+             **{tokens: {**figures, "date": results["date"]} for tokens, figures in results["summary"].items()}}
+    return {int(tokens): every[tokens] for tokens in sorted(every, key=int)}
+
+
+def peak_key(results: dict) -> str:
+    """The CUDA allocator's peak on a GPU, else the process's resident peak."""
+    return "peak_gpu_memory_mib" if any("peak_gpu_memory_mib" in side for figures in results["summary"].values()
+                                        for side in figures["medians"].values()) else "peak_rss_mib"
+
+
+def table(results: dict) -> str:
+    """The suite's Markdown table: each length's peaks and speeds on both sides, and their ratios."""
+    lines = [f"# Long rows: {results['recipe']} recipe against TRL, {results['model']}, {results['device']}",
+             "", f"One row a step, two steps, the second timed; allocator: {results['allocator']}.", "",
+             "| row length | finetune peak | TRL peak | ours / TRL | finetune tokens/s | TRL tokens/s | ours / TRL "
+             "| predicted / measured peak | repeats | date |", "|---|---|---|---|---|---|---|---|---|---|"]
+    peak = peak_key(results)
+    for tokens, figures in lengths_measured(results).items():
+        ours, theirs = figures["medians"].get("finetune", {}), figures["medians"].get("trl", {})
+        ratios = figures["ratios"]
+
+        def cell(side: dict, key: str, unit: str = "") -> str:
+            return f"{side[key]:,.1f}{unit}" if key in side else "not run"
+        memory = f"**{ratios['peak_memory_vs_trl']:.2f}x**" if "peak_memory_vs_trl" in ratios else "-"
+        speed = f"{ratios['tokens_per_second_vs_trl']:.2f}x" if "tokens_per_second_vs_trl" in ratios else "-"
+        predicted = ratios.get("finetune_predicted_vs_measured_peak")
+        lines.append(f"| {tokens:,} | {cell(ours, peak, ' MiB')} | {cell(theirs, peak, ' MiB')} "
+                     f"| {memory} | {cell(ours, 'tokens_per_second')} | {cell(theirs, 'tokens_per_second')} | {speed} "
+                     f"| {f'{predicted:.2f}' if predicted else '-'} | {figures.get('repeats', '?')} "
+                     f"| {figures['date']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    """Peak memory and tokens per second against the row's length, each side a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    measured, peak = lengths_measured(results), peak_key(results)
+    trainer = "DPOTrainer" if results["recipe"] == "dpo" else "SFTTrainer"
+    figure, (memory, speed) = pyplot.subplots(1, 2, figsize=(9, 3.4))
+    for config, label, style in (("finetune", "finetune, --gradient_checkpointing", "o-"),
+                                 ("trl", f"TRL {trainer} with checkpointing", "s--"),
+                                 ("finetune_kept", "finetune, every activation kept", "^:")):
+        points = [(tokens, figures["medians"][config]) for tokens, figures in measured.items()
+                  if config in figures["medians"]]
+        if points:
+            memory.plot([t for t, _ in points], [m[peak] / 1024 for _, m in points], style, label=label)
+            speed.plot([t for t, _ in points], [m["tokens_per_second"] for _, m in points], style, label=label)
+    for axes, title in ((memory, "peak memory (GiB)"), (speed, "tokens per second")):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(list(measured), [f"{tokens // 1024}k" for tokens in measured])
+        axes.set_xlabel("tokens in the row (one a step)")
+        axes.set_title(title, fontsize=10)
+        axes.set_ylim(bottom=0)
+    memory.legend(fontsize=7)
+    figure.suptitle(f"Long rows: {results['model']} with LoRA, {results['device']}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    pyplot.close(figure)
+
+
 def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Path, model_size: str | None,
          chosen: list[str] | None, recipe: str) -> None:
     runs: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
         model = str(random_llama(model_size, scratch / f"llama-{model_size}")) if model_size else None
+        model = str(endless_model(scratch / "endless")) if recipe == "grpo" else model
         data = {tokens: write_rows(scratch, tokens, recipe) for tokens in lengths}
         for repeat in range(repeats):
             for tokens in lengths:
@@ -235,6 +361,7 @@ def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Pat
                 ratios[f"{config}_predicted_vs_measured_peak"] = statistics.median(
                     run["predicted_peak_mib"] / run["peak_rss_mib"] for run in figures)
         summary[tokens] = {"medians": medians, "ratios": {k: round(v, 3) for k, v in ratios.items()},
+                           "repeats": repeats,
                            "failed": {c: [r["failed"][-300:] for r in f if "failed" in r] for c, f in by_config.items()
                                       if any("failed" in r for r in f)}}
     import torch
@@ -247,12 +374,12 @@ def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Pat
                "allocator": f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}" if return_freed else "glibc's defaults",
                "summary": summary, "runs": runs}
     if results_file.exists():  # other lengths measured before stay, each with its own date
-        previous = json.loads(results_file.read_text())
-        earlier = {**previous.get("earlier", {}),
-                   **{tokens: {**figures, "date": previous["date"]} for tokens, figures in previous["summary"].items()}}
-        results["earlier"] = {tokens: figures for tokens, figures in earlier.items() if tokens not in summary}
+        earlier = lengths_measured(json.loads(results_file.read_text()))
+        results["earlier"] = {str(tokens): figures for tokens, figures in earlier.items() if str(tokens) not in summary}
     results_file.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
+    results_file.with_suffix(".md").write_text(table(results))
+    plot(results, results_file.with_suffix(".png"))
+    print(table(results))
 
 
 if __name__ == "__main__":
@@ -264,8 +391,9 @@ if __name__ == "__main__":
     parser.add_argument("--results_file", type=Path, default=BENCH / "results" / "long.json")
     parser.add_argument("--model_size", choices=sorted(SIZES), help="a random Llama instead of SmolLM2 (see above)")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="these configurations only, at every length")
-    parser.add_argument("--recipe", choices=("sft", "dpo"), default="sft",
-                        help="dpo: a pair of replies each LENGTH tokens long, against TRL's DPOTrainer")
+    parser.add_argument("--recipe", choices=("sft", "dpo", "grpo"), default="sft",
+                        help="dpo: a pair of replies each LENGTH tokens long, against TRL's DPOTrainer; grpo: "
+                             "completions LENGTH tokens long, against TRL's GRPOTrainer")
     cli = parser.parse_args()
     main(cli.lengths, cli.repeats, cli.return_freed_memory, cli.results_file, cli.model_size, cli.configs,
          cli.recipe)

@@ -8,6 +8,7 @@
     python bench/run.py --suite dpo              # ~35 minutes -> bench/results/dpo.*  (needs pip install -e ".[bench]")
     python bench/run.py --suite grpo             # ~25 minutes -> bench/results/grpo.* (needs pip install -e ".[bench]")
     python bench/run.py --suite agent --repeats 3  # ~45 minutes -> bench/results/agent.* (as grpo)
+    python bench/run.py --suite long --repeats 1   # ~2.5 hours -> bench/results/long.* (bench/long.py; --lengths)
 
 Each suite writes a JSON file with every run's raw figures, a Markdown table and a PNG chart of throughput per
 configuration (median, min-max bars). ``latest.json`` also carries every other suite's ratios, read from their
@@ -47,6 +48,11 @@ GRPOTrainer with ``tools=``, generating with transformers, with the same setting
 ratio is of episodes per second over whole steps (each episode's turns and tool calls are its sampling); the held-out
 success of each side's adapter on 40 tickets is judged alike, by the recipe's greedy episodes.
 
+The long suite is ``bench/long.py``: the chat recipe on one row of 4k, 8k, 16k and 32k tokens a step
+(``--lengths`` chooses), with ``--gradient_checkpointing``, against TRL's SFTTrainer with its defaults for such rows,
+memory handed back to the system as it is freed; each length keeps its own date in ``long.json``, and the table
+and chart show every length measured.
+
 The embed suite trains the embedding recipe on the first 1,280 embedded ticket-answer pairs for one epoch against
 sentence-transformers' trainer with the same model, loss, optimizer settings and global batch (32; and 128, the
 recipe accumulating 4 micro-batches of 32, theirs the cached loss in mini-batches of 32); each side's held-out
@@ -65,6 +71,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import long
 from harness import Settings, detect_machine, run_suite
 from report import collect, markdown, merge_into_latest, write
 from suites import SUITES
@@ -82,14 +89,20 @@ def main() -> None:
                         help="The sft and dpo suites' batch on every side; default the recipes' (8). A GPU needs "
                              "far more to be busy, and --train_examples to match.")
     parser.add_argument("--results_dir", default=str(BENCH / "results"), help="Where the result files go.")
-    parser.add_argument("--suite", choices=SUITES, default="classify",
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768],
+                        help="The long suite's row lengths.")
+    parser.add_argument("--suite", choices=[*SUITES, "long"], default="classify",
                         help="classify: the comparisons above; hub_push: checkpoints pushed to a loopback Hub "
                              "against the same checkpoints not pushed (about 5 minutes); token_classify: the "
                              "tagging recipe against Trainer run the run_ner.py way, speed and F1; sft: the chat "
                              "recipe, packed and padded, against TRL's SFTTrainer; dpo: the preference recipe "
                              "against TRL's DPOTrainer; grpo: the GRPO recipe against TRL's GRPOTrainer; agent: "
-                             "GRPO with a tool against TRL's GRPOTrainer(tools=...).")
+                             "GRPO with a tool against TRL's GRPOTrainer(tools=...); long: the chat recipe on "
+                             "rows of 4k-32k tokens against TRL's SFTTrainer.")
     args = parser.parse_args()
+    if args.suite == "long":  # one row a step, each run its own process: bench/long.py measures it
+        long.main(args.lengths, args.repeats, True, Path(args.results_dir) / "long.json", None, None, "sft")
+        return
     suite = SUITES[args.suite]
     if args.repeats < 1:
         sys.exit("error: --repeats must be at least 1")
