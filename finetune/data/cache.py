@@ -236,14 +236,21 @@ def load_or_build(task, cfg, tokenizer, runtime=None) -> PreparedData:
     """
     env = LaunchEnvironment.read()
     started = time.perf_counter()
-    built = False
+    built, refusal = False, None
     if env.local_rank == 0:
-        folder, parts, raw, source = cache_folder(task, cfg, tokenizer)
-        with _locked(folder):
-            built = _build(task, cfg, tokenizer, folder, parts, raw, source)
-            data = _open(folder)
+        try:
+            folder, parts, raw, source = cache_folder(task, cfg, tokenizer)
+            with _locked(folder):
+                built = _build(task, cfg, tokenizer, folder, parts, raw, source)
+                data = _open(folder)
+        except UserError as err:
+            if runtime is None:
+                raise
+            refusal = str(err)
     if runtime is not None:  # the others wait for the builders however long they take (not --ddp_timeout)
         runtime.wait_for_save()
+        if (refusal := runtime.first_refusal(refusal)) is not None:
+            raise UserError(refusal)
     if env.local_rank != 0:
         folder = cache_folder(task, cfg, tokenizer)[0]
         with _locked(folder):

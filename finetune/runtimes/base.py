@@ -146,6 +146,17 @@ class Runtime(ABC):
         if self.world_size > 1:
             dist.monitored_barrier(group=self._cpu_group(), timeout=SAVE_WAIT)
 
+    def first_refusal(self, message: str | None) -> str | None:
+        """The message of the first process (by rank) that refused, for every process; None where none did.
+
+        A refusal that only some processes meet (the data builders) ends every process at once, with the same
+        message, rather than leaving the others to wait until the launcher kills them."""
+        if self.world_size == 1:
+            return message
+        messages: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(messages, message, group=self._cpu_group())
+        return next((message for message in messages if message is not None), None)
+
     def max_over_processes(self, values: list[float]) -> list[float]:
         """Each value's maximum over all processes.
 
