@@ -4,10 +4,10 @@
     python bench/long.py --lengths 4096 --results_file bench/results/long-glibc.json   # glibc's defaults
     python bench/long.py --lengths 4096 8192 --repeats 1 --return_freed_memory \
         --results_file bench/results/long-8k.json       # 8k rows (~2 min a step) and the estimate at both lengths
-    python bench/long.py --recipe dpo --lengths 4096 --repeats 1 --configs finetune trl --return_freed_memory \
-        --results_file bench/results/long-dpo.json       # DPO: chosen and rejected replies of 4k tokens each
-    python bench/long.py --recipe grpo --lengths 1024 --repeats 1 --configs finetune trl --return_freed_memory \
-        --results_file bench/results/long-grpo.json      # GRPO: completions of 1,024 tokens
+    python bench/long.py --recipe dpo --lengths 4096 --repeats 1 --configs finetune trl --return_freed_memory
+        # DPO: chosen and rejected replies of 4k tokens each: bench/results/long-dpo.json
+    python bench/long.py --recipe grpo --lengths 1024 --repeats 1 --configs finetune trl --return_freed_memory
+        # GRPO: completions of 1,024 tokens: bench/results/long-grpo.json
     python bench/long.py --model_size 1b --lengths 8192 32768 --repeats 1 --configs finetune trl finetune_full \
         trl_full --results_file OUT/long-cuda.json       # bench/gpu_check.sh OUT long, on a GPU
 
@@ -279,20 +279,21 @@ def table(results: dict) -> str:
     """The suite's Markdown table: each length's peaks and speeds on both sides, and their ratios."""
     lines = [f"# Long rows: {results['recipe']} recipe against TRL, {results['model']}, {results['device']}",
              "", f"One row a step, two steps, the second timed; allocator: {results['allocator']}.", "",
-             "| row length | finetune peak | TRL peak | ours / TRL | finetune tokens/s | TRL tokens/s | ours / TRL "
-             "| predicted / measured peak | repeats | date |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| tokens in the row | finetune peak | TRL peak | ours / TRL | finetune tokens/s | TRL tokens/s "
+             "| ours / TRL | predicted / measured peak | repeats | date |", "|---|---|---|---|---|---|---|---|---|---|"]
     peak = peak_key(results)
     for tokens, figures in lengths_measured(results).items():
         ours, theirs = figures["medians"].get("finetune", {}), figures["medians"].get("trl", {})
         ratios = figures["ratios"]
 
         def cell(side: dict, key: str, unit: str = "") -> str:
-            return f"{side[key]:,.1f}{unit}" if key in side else "not run"
+            return f"{side[key]:,.{0 if unit else 1}f}{unit}" if key in side else "not run"
         memory = f"**{ratios['peak_memory_vs_trl']:.2f}x**" if "peak_memory_vs_trl" in ratios else "-"
         speed = f"{ratios['tokens_per_second_vs_trl']:.2f}x" if "tokens_per_second_vs_trl" in ratios else "-"
         predicted = ratios.get("finetune_predicted_vs_measured_peak")
-        lines.append(f"| {tokens:,} | {cell(ours, peak, ' MiB')} | {cell(theirs, peak, ' MiB')} "
-                     f"| {memory} | {cell(ours, 'tokens_per_second')} | {cell(theirs, 'tokens_per_second')} | {speed} "
+        lines.append(f"| {figures.get('real_tokens') or tokens:,} | {cell(ours, peak, ' MiB')} "
+                     f"| {cell(theirs, peak, ' MiB')} | {memory} | {cell(ours, 'tokens_per_second')} "
+                     f"| {cell(theirs, 'tokens_per_second')} | {speed} "
                      f"| {f'{predicted:.2f}' if predicted else '-'} | {figures.get('repeats', '?')} "
                      f"| {figures['date']} |")
     return "\n".join(lines) + "\n"
@@ -361,7 +362,8 @@ def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Pat
                 ratios[f"{config}_predicted_vs_measured_peak"] = statistics.median(
                     run["predicted_peak_mib"] / run["peak_rss_mib"] for run in figures)
         summary[tokens] = {"medians": medians, "ratios": {k: round(v, 3) for k, v in ratios.items()},
-                           "repeats": repeats,
+                           "repeats": repeats, "real_tokens": next((run["real_tokens"] for figures in by_config.values()
+                                                                     for run in figures if "real_tokens" in run), None),
                            "failed": {c: [r["failed"][-300:] for r in f if "failed" in r] for c, f in by_config.items()
                                       if any("failed" in r for r in f)}}
     import torch
@@ -388,12 +390,14 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--return_freed_memory", action="store_true",
                         help=f"run both sides with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} (see the docstring)")
-    parser.add_argument("--results_file", type=Path, default=BENCH / "results" / "long.json")
+    parser.add_argument("--results_file", type=Path,
+                        help="default: bench/results/long.json, long-dpo.json or long-grpo.json by --recipe")
     parser.add_argument("--model_size", choices=sorted(SIZES), help="a random Llama instead of SmolLM2 (see above)")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="these configurations only, at every length")
     parser.add_argument("--recipe", choices=("sft", "dpo", "grpo"), default="sft",
                         help="dpo: a pair of replies each LENGTH tokens long, against TRL's DPOTrainer; grpo: "
                              "completions LENGTH tokens long, against TRL's GRPOTrainer")
     cli = parser.parse_args()
-    main(cli.lengths, cli.repeats, cli.return_freed_memory, cli.results_file, cli.model_size, cli.configs,
-         cli.recipe)
+    default_file = BENCH / "results" / ("long.json" if cli.recipe == "sft" else f"long-{cli.recipe}.json")
+    main(cli.lengths, cli.repeats, cli.return_freed_memory, cli.results_file or default_file, cli.model_size,
+         cli.configs, cli.recipe)
