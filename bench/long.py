@@ -142,6 +142,7 @@ def long_chat(tokens: int, first: int = 0) -> list[dict]:
             return chat
 
 
+STEP = {"sft": "One row a step", "dpo": "One pair a step", "grpo": "8 completions a step (two prompts' groups of 4)"}
 TRL_BASELINES = {"sft": "trl_long", "dpo": "trl_dpo_long", "grpo": "trl_grpo_long"}
 GRPO_PROMPTS = 4
 """Two steps of two prompts' groups of 4 completions each: 8 completions a step."""
@@ -163,9 +164,8 @@ def endless_model(folder: Path) -> Path:
 
     source = Path(default_chat_model_path())
     folder.mkdir(parents=True)
-    for file in source.iterdir():
-        if file.name not in ("generation_config.json", "tokenizer_config.json", "config.json", "chat_template.jinja"):
-            (folder / file.name).symlink_to(file)
+    for weights in source.glob("*.safetensors"):  # linked; every other file is written here, not through a link
+        (folder / weights.name).symlink_to(weights)
     tokenizer = AutoTokenizer.from_pretrained(source)
     end = tokenizer.convert_tokens_to_ids(UNSAMPLED_END)
     # TRL stops at the end of sequence; the recipe at the end of turn the template writes
@@ -211,7 +211,7 @@ def command(config: str, train: Path, validation: Path, tokens: int, output_dir:
                 str(train), str(output_dir), "--per_device_train_batch_size", str(rows)]
     import torch
 
-    flags = ["--gradient_checkpointing"] if config != "finetune_kept" else []
+    flags = ["--gradient_checkpointing" if config != "finetune_kept" else "--no_gradient_checkpointing"]
     if recipe == "grpo":
         flags += ["--reward_funcs", f"{train.parent / 'rewards.py'}:varied", "--max_completion_length", str(tokens),
                   "--num_generations", "4", "--lora_dropout", "0"]
@@ -278,7 +278,7 @@ def peak_key(results: dict) -> str:
 def table(results: dict) -> str:
     """The suite's Markdown table: each length's peaks and speeds on both sides, and their ratios."""
     lines = [f"# Long rows: {results['recipe']} recipe against TRL, {results['model']}, {results['device']}",
-             "", f"One row a step, two steps, the second timed; allocator: {results['allocator']}.", "",
+             "", f"{STEP[results['recipe']]}, two steps, the second timed; allocator: {results['allocator']}.", "",
              "| tokens in the row | finetune peak | TRL peak | ours / TRL | finetune tokens/s | TRL tokens/s "
              "| ours / TRL | predicted / measured peak | repeats | date |", "|---|---|---|---|---|---|---|---|---|---|"]
     peak = peak_key(results)
@@ -307,7 +307,7 @@ def plot(results: dict, path: Path) -> None:
     from matplotlib import pyplot
 
     measured, peak = lengths_measured(results), peak_key(results)
-    trainer = "DPOTrainer" if results["recipe"] == "dpo" else "SFTTrainer"
+    trainer = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer"}[results["recipe"]]
     figure, (memory, speed) = pyplot.subplots(1, 2, figsize=(9, 3.4))
     for config, label, style in (("finetune", "finetune, --gradient_checkpointing", "o-"),
                                  ("trl", f"TRL {trainer} with checkpointing", "s--"),

@@ -100,12 +100,12 @@ def main() -> None:
                              "GRPO with a tool against TRL's GRPOTrainer(tools=...); long: the chat recipe on "
                              "rows of 4k-32k tokens against TRL's SFTTrainer.")
     args = parser.parse_args()
+    if args.repeats < 1:
+        sys.exit("error: --repeats must be at least 1")
     if args.suite == "long":  # one row a step, each run its own process: bench/long.py measures it
         long.main(args.lengths, args.repeats, True, Path(args.results_dir) / "long.json", None, None, "sft")
         return
     suite = SUITES[args.suite]
-    if args.repeats < 1:
-        sys.exit("error: --repeats must be at least 1")
     if args.per_device_train_batch_size and not suite.takes_batch_size:
         takers = " and ".join(s.name for s in SUITES.values() if s.takes_batch_size)
         sys.exit(f"error: --per_device_train_batch_size is the {takers} suites'; the others use the recipes' batch")

@@ -338,15 +338,19 @@ TOKEN_CLASSIFY = Suite(
                                                                   -0.01)},
     seeded=True,
 )
+KEPT = ["--no_gradient_checkpointing"]
+"""Every activation kept, as the TRL configurations they are compared with run (unset, the recipe chooses by its
+predicted peak, which a larger batch on another machine could turn on)."""
 SFT = Suite(
     "sft",
     results_file="sft",
     configs=[
         Config("sft_padded", "sft.py, accelerate launch, --no_packing (padded, grouped by length; the default "
                "without flash-attention)", "accelerate", recipe="sft",
-               recipe_flags=["--eval_generate", "0", "--no_packing"]),
+               recipe_flags=["--eval_generate", "0", "--no_packing", *KEPT]),
         Config("sft_packed", "sft.py, accelerate launch, --packing (padding-free; the default with "
-               "flash-attention)", "accelerate", recipe="sft", recipe_flags=["--eval_generate", "0", "--packing"]),
+               "flash-attention)", "accelerate", recipe="sft",
+               recipe_flags=["--eval_generate", "0", "--packing", *KEPT]),
         Config("loop_sft", "hand-written loop over the recipe's padded batches, its optimizer (fused AdamW)",
                "python", recipe="sft"),
         Config("trl_padding_free", "TRL SFTTrainer, padding_free=True, activation checkpointing off", "python",
@@ -355,7 +359,7 @@ SFT = Suite(
                recipe="sft"),
         Config("sft_memory", f"sft.py, accelerate launch, padded, batch 8 x {LONG_CHAT_TOKENS} tokens, evaluation "
                "batch 8", "accelerate", recipe="sft", long_chats=True,
-               recipe_flags=["--eval_generate", "0", "--no_packing", "--max_seq_length", str(LONG_CHAT_TOKENS),
+               recipe_flags=["--eval_generate", "0", "--no_packing", *KEPT, "--max_seq_length", str(LONG_CHAT_TOKENS),
                              "--per_device_eval_batch_size", str(LONG_CHAT_EVAL)]),
         Config("trl_memory", f"TRL SFTTrainer, padded, activation checkpointing off, batch 8 x {LONG_CHAT_TOKENS} "
                "tokens, evaluation batch 8", "python", recipe="sft", long_chats=True),
@@ -379,7 +383,7 @@ SFT = Suite(
     flops=partial(chat_flops, live_reference=False),
     takes_batch_size=True,
 )
-DPO_FLAGS = ["--eval_generate", "0", "--lora_dropout", "0"]
+DPO_FLAGS = ["--eval_generate", "0", "--lora_dropout", "0", *KEPT]
 """The recipe's defaults but LoRA's dropout: dropout is off on every side of this suite (TRL turns the model's own
 off by default; the recipe's model has none)."""
 DPO = Suite(
