@@ -54,7 +54,8 @@ repeat, lengths in turn.
 The recipe's runs also record the peak their start-up line predicted (``finetune.models.estimate``), and each
 length its ratio to the measured one. Writes ``bench/results/long.json``: every run, and each length's medians
 and ratios (taken within a repeat);
-lengths measured before and not now stay in it under ``earlier``, with their date.
+lengths measured before and not now stay in it under ``earlier``, with their date, and ``long.md`` and ``long.png``
+show every length (a length marked ``time_comparable: false``, timed on a shared CPU, is left off the speed chart).
 """
 
 from __future__ import annotations
@@ -296,7 +297,9 @@ def table(results: dict) -> str:
                      f"| {cell(theirs, 'tokens_per_second')} | {speed} "
                      f"| {f'{predicted:.2f}' if predicted else '-'} | {figures.get('repeats', '?')} "
                      f"| {figures['date']} |")
-    return "\n".join(lines) + "\n"
+    notes = [f"- {figures.get('real_tokens') or tokens:,} tokens: {figures['note']}"
+             for tokens, figures in lengths_measured(results).items() if "note" in figures]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 def plot(results: dict, path: Path) -> None:
@@ -316,7 +319,8 @@ def plot(results: dict, path: Path) -> None:
                   if config in figures["medians"]]
         if points:
             memory.plot([t for t, _ in points], [m[peak] / 1024 for _, m in points], style, label=label)
-            speed.plot([t for t, _ in points], [m["tokens_per_second"] for _, m in points], style, label=label)
+            timed = [(t, m) for t, m in points if measured[t].get("time_comparable", True)]
+            speed.plot([t for t, _ in timed], [m["tokens_per_second"] for _, m in timed], style, label=label)
     for axes, title in ((memory, "peak memory (GiB)"), (speed, "tokens per second")):
         axes.set_xscale("log", base=2)
         axes.set_xticks(list(measured), [f"{tokens // 1024}k" for tokens in measured])
@@ -353,7 +357,8 @@ def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Pat
                                         "model_flops_utilisation") if all(run.get(key) is not None for run in figures)}
                    for config, figures in by_config.items() if all("failed" not in run for run in figures)}
         ours, theirs = by_config.get("finetune", []), by_config.get("trl", [])
-        pairs = [(a, b) for a, b in zip(ours, theirs, strict=True) if "failed" not in a and "failed" not in b]
+        pairs = [(a, b) for a, b in zip(ours, theirs, strict=True)  # (--configs may leave a side out)
+                 if "failed" not in a and "failed" not in b] if ours and theirs else []
         ratios = {"peak_memory_vs_trl": statistics.median(a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in pairs),
                   "tokens_per_second_vs_trl": statistics.median(a["tokens_per_second"] / b["tokens_per_second"]
                                                                 for a, b in pairs)} if pairs else {}
