@@ -144,6 +144,7 @@ def long_chat(tokens: int, first: int = 0) -> list[dict]:
 
 
 STEP = {"sft": "One row a step", "dpo": "One pair a step", "grpo": "8 completions a step (two prompts' groups of 4)"}
+LENGTH = {"sft": "tokens in the row", "dpo": "tokens in the pair", "grpo": "tokens in each completion"}
 TRL_BASELINES = {"sft": "trl_long", "dpo": "trl_dpo_long", "grpo": "trl_grpo_long"}
 GRPO_PROMPTS = 4
 """Two steps of two prompts' groups of 4 completions each: 8 completions a step."""
@@ -280,8 +281,9 @@ def table(results: dict) -> str:
     """The suite's Markdown table: each length's peaks and speeds on both sides, and their ratios."""
     lines = [f"# Long rows: {results['recipe']} recipe against TRL, {results['model']}, {results['device']}",
              "", f"{STEP[results['recipe']]}, two steps, the second timed; allocator: {results['allocator']}.", "",
-             "| tokens in the row | finetune peak | TRL peak | ours / TRL | finetune tokens/s | TRL tokens/s "
-             "| ours / TRL | predicted / measured peak | repeats | date |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| {LENGTH[results['recipe']]} | finetune peak | TRL peak | ours / TRL | finetune tokens/s "
+             "| TRL tokens/s | ours / TRL | predicted / measured peak | repeats | date |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     peak = peak_key(results)
     for tokens, figures in lengths_measured(results).items():
         ours, theirs = figures["medians"].get("finetune", {}), figures["medians"].get("trl", {})
@@ -291,13 +293,15 @@ def table(results: dict) -> str:
             return f"{side[key]:,.{0 if unit else 1}f}{unit}" if key in side else "not run"
         memory = f"**{ratios['peak_memory_vs_trl']:.2f}x**" if "peak_memory_vs_trl" in ratios else "-"
         speed = f"{ratios['tokens_per_second_vs_trl']:.2f}x" if "tokens_per_second_vs_trl" in ratios else "-"
+        speed = speed if figures.get("time_comparable", True) else "not comparable"
         predicted = ratios.get("finetune_predicted_vs_measured_peak")
-        lines.append(f"| {figures.get('real_tokens') or tokens:,} | {cell(ours, peak, ' MiB')} "
+        shown = tokens if results["recipe"] == "grpo" else figures.get("real_tokens") or tokens
+        lines.append(f"| {shown:,} | {cell(ours, peak, ' MiB')} "
                      f"| {cell(theirs, peak, ' MiB')} | {memory} | {cell(ours, 'tokens_per_second')} "
                      f"| {cell(theirs, 'tokens_per_second')} | {speed} "
                      f"| {f'{predicted:.2f}' if predicted else '-'} | {figures.get('repeats', '?')} "
                      f"| {figures['date']} |")
-    notes = [f"- {figures.get('real_tokens') or tokens:,} tokens: {figures['note']}"
+    notes = [f"- {tokens:,}: {figures['note']}"
              for tokens, figures in lengths_measured(results).items() if "note" in figures]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
