@@ -357,10 +357,9 @@ def test_bad_tools_and_turns_are_refused_before_the_model_loads(tiny_chat_model,
 @pytest.mark.multiprocess
 def test_under_torchrun_a_tools_file_without_the_function_is_one_line_and_status_2(tiny_chat_model, shop, orders,
                                                                                     tmp_path):
-    """The tools are checked in a worker process before the model loads, and the launched recipe reports it as
-    every refusal (``finetune torchrun``; one process: with two, a refusal waits about 30 s for the other, as
-    ``test_bad_input``'s do)."""
-    result = run([sys.executable, "-m", "finetune.cli", "torchrun", "--nproc_per_node", "1", "--master_port",
+    """The tools are checked in a worker before the model loads, and the launched recipe reports it as every
+    refusal (``finetune torchrun``: one line for the two processes)."""
+    result = run([sys.executable, "-m", "finetune.cli", "torchrun", "--nproc_per_node", "2", "--master_port",
                   str(free_port()), recipe_path("grpo"), *orders, "--model_name_or_path", str(tiny_chat_model),
                   "--output_dir", str(tmp_path / "out"), "--reward_funcs", f"{shop}:states_the_status",
                   "--chat_template", "qwen2_5", "--tools", f"{shop}:refund"], check=False)
