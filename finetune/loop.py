@@ -326,12 +326,13 @@ def _announce(task: Task, cfg: TrainConfig, runtime: Runtime, source: str, setup
     it, for every process alike (``MemoryEstimate.needs_recompute``)."""
     not_counted = ("the batches are sampled as the run goes" if setup.sampler is not None else
                    "a sharded model's forward needs its backward" if is_sharded(model) else "")
-    estimate = predict_memory(runtime.unwrap(model), task.loss, setup.collate, setup.train_set,
+    unwrapped = runtime.unwrap(model)
+    estimate = predict_memory(unwrapped, task.loss, setup.collate, setup.train_set,
                               None if not_counted else sampler.plan(epoch, runtime.rank), runtime.device,
                               LaunchEnvironment.read().local_world_size, bool(cfg.gradient_checkpointing), not_counted)
     recompute = "layers recomputed in the backward pass, " if cfg.gradient_checkpointing else ""
     if cfg.gradient_checkpointing is None and runtime.max_over_processes([float(estimate.needs_recompute())])[0]:
-        checkpoint_activations(runtime.unwrap(model))
+        checkpoint_activations(unwrapped)
         estimate = estimate.recomputed()
         recompute = "layers recomputed in the backward pass (every activation kept would not fit), "
     truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None else setup.truncated)
