@@ -72,6 +72,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -143,11 +144,28 @@ def long_chat(tokens: int, first: int = 0) -> list[dict]:
             return chat
 
 
-STEP = {"sft": "One row a step", "dpo": "One pair a step", "grpo": "8 completions a step (two prompts' groups of 4)"}
-LENGTH = {"sft": "tokens in the row", "dpo": "tokens in the pair", "grpo": "tokens in each completion"}
-TRL_BASELINES = {"sft": "trl_long", "dpo": "trl_dpo_long", "grpo": "trl_grpo_long"}
-GRPO_PROMPTS = 4
-"""Two steps of two prompts' groups of 4 completions each: 8 completions a step."""
+GRPO_GENERATIONS = 4
+GRPO_COMPLETIONS = 2 * GRPO_GENERATIONS
+"""A GRPO step: two prompts' groups."""
+GRPO_PROMPTS = 2 * (GRPO_COMPLETIONS // GRPO_GENERATIONS)
+"""Two steps' prompts."""
+
+
+class LongRecipe(NamedTuple):
+    baseline: str
+    """``bench/baselines.py``'s kind."""
+    trainer: str
+    step: str
+    length: str
+    """What a length measures, for the table."""
+
+
+RECIPES = {
+    "sft": LongRecipe("trl_long", "SFTTrainer", "One row a step", "tokens in the row"),
+    "dpo": LongRecipe("trl_dpo_long", "DPOTrainer", "One pair a step", "tokens in the pair"),
+    "grpo": LongRecipe("trl_grpo_long", "GRPOTrainer", f"{GRPO_COMPLETIONS} completions a step (two prompts' groups "
+                       f"of {GRPO_GENERATIONS})", "tokens in each completion"),
+}
 UNSAMPLED_END = "<empty_output>"
 """A special token of SmolLM2's vocabulary its chat never produces."""
 VARIED_REWARD = """def varied(completions, **kwargs):
@@ -207,16 +225,16 @@ def write_rows(folder: Path, tokens: int, recipe: str) -> tuple[Path, Path]:
 
 def command(config: str, train: Path, validation: Path, tokens: int, output_dir: Path, model: str | None,
             recipe: str) -> list[str]:
-    rows = 2 * 4 if recipe == "grpo" else 1  # GRPO: two groups of 4 completions a step
+    rows = GRPO_COMPLETIONS if recipe == "grpo" else 1
     if config.startswith("trl"):  # the model, full fine-tuning and GRPO's reward reach it through BENCH_LONG_*
-        return [sys.executable, str(BENCH / "baselines.py"), TRL_BASELINES[recipe],
+        return [sys.executable, str(BENCH / "baselines.py"), RECIPES[recipe].baseline,
                 str(train), str(output_dir), "--per_device_train_batch_size", str(rows)]
     import torch
 
     flags = ["--gradient_checkpointing" if config != "finetune_kept" else "--no_gradient_checkpointing"]
     if recipe == "grpo":
         flags += ["--reward_funcs", f"{train.parent / 'rewards.py'}:varied", "--max_completion_length", str(tokens),
-                  "--num_generations", "4", "--lora_dropout", "0"]
+                  "--num_generations", str(GRPO_GENERATIONS), "--lora_dropout", "0"]
     flags += ["--no_use_lora"] if config.endswith("_full") else []
     flags += ["--model_name_or_path", model] if model else []
     flags += ["--mixed_precision", "bf16"] if torch.cuda.is_available() else []
@@ -279,9 +297,10 @@ def peak_key(results: dict) -> str:
 
 def table(results: dict) -> str:
     """The suite's Markdown table: each length's peaks and speeds on both sides, and their ratios."""
+    recipe = RECIPES[results["recipe"]]
     lines = [f"# Long rows: {results['recipe']} recipe against TRL, {results['model']}, {results['device']}",
-             "", f"{STEP[results['recipe']]}, two steps, the second timed; allocator: {results['allocator']}.", "",
-             f"| {LENGTH[results['recipe']]} | finetune peak | TRL peak | ours / TRL | finetune tokens/s "
+             "", f"{recipe.step}, two steps, the second timed; allocator: {results['allocator']}.", "",
+             f"| {recipe.length} | finetune peak | TRL peak | ours / TRL | finetune tokens/s "
              "| TRL tokens/s | ours / TRL | predicted / measured peak | repeats | date |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     peak = peak_key(results)
@@ -314,10 +333,9 @@ def plot(results: dict, path: Path) -> None:
     from matplotlib import pyplot
 
     measured, peak = lengths_measured(results), peak_key(results)
-    trainer = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer"}[results["recipe"]]
     figure, (memory, speed) = pyplot.subplots(1, 2, figsize=(9, 3.4))
     for config, label, style in (("finetune", "finetune, --gradient_checkpointing", "o-"),
-                                 ("trl", f"TRL {trainer} with checkpointing", "s--"),
+                                 ("trl", f"TRL {RECIPES[results['recipe']].trainer} with checkpointing", "s--"),
                                  ("finetune_kept", "finetune, every activation kept", "^:")):
         points = [(tokens, figures["medians"][config]) for tokens, figures in measured.items()
                   if config in figures["medians"]]
@@ -403,7 +421,7 @@ if __name__ == "__main__":
                         help="default: bench/results/long.json, long-dpo.json or long-grpo.json by --recipe")
     parser.add_argument("--model_size", choices=sorted(SIZES), help="a random Llama instead of SmolLM2 (see above)")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="these configurations only, at every length")
-    parser.add_argument("--recipe", choices=("sft", "dpo", "grpo"), default="sft",
+    parser.add_argument("--recipe", choices=RECIPES, default="sft",
                         help="dpo: a pair of replies each LENGTH tokens long, against TRL's DPOTrainer; grpo: "
                              "completions LENGTH tokens long, against TRL's GRPOTrainer")
     cli = parser.parse_args()

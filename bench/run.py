@@ -103,7 +103,8 @@ def main() -> None:
     if args.repeats < 1:
         sys.exit("error: --repeats must be at least 1")
     if args.suite == "long":  # one row a step, each run its own process: bench/long.py measures it
-        long.main(args.lengths, args.repeats, True, Path(args.results_dir) / "long.json", None, None, "sft")
+        long.main(args.lengths, args.repeats, return_freed=True, results_file=Path(args.results_dir) / "long.json",
+                  model_size=None, chosen=None, recipe="sft")
         return
     suite = SUITES[args.suite]
     if args.per_device_train_batch_size and not suite.takes_batch_size:
