@@ -2,7 +2,8 @@
 
 The core, here: ``errors`` (the one-line refusals and the entry point), ``environment`` (what the launcher set),
 ``config`` (options, YAML and command line), ``task`` (what a recipe plugs in), ``loop`` (the shared training loop),
-``evaluation`` (its exact evaluation), ``recipe`` (a recipe's command line around it) and ``cli`` (the ``finetune``
+``startup`` (what it works out before its first step; all ``--prepare_only`` does), ``evaluation`` (its exact
+evaluation), ``recipe`` (a recipe's command line around it) and ``cli`` (the ``finetune``
 command, the launchers that show a refusal once). The rooms, each a sub-package that says what it may import, from
 the top down: ``chat`` over ``predict``, and ``export``: the commands that use a trained folder (``python -m
 finetune.chat``, ``finetune.predict``, ``finetune.export``), beside the core's commands; ``runtimes`` and

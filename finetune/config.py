@@ -60,7 +60,9 @@ class TrainConfig:
     overwrite_cache: bool = arg(False, "Tokenize the data again even if a cache of it exists.")
     dataset_cache_dir: str | None = arg(None, "Where tokenized data is cached; default: finetune/ in the datasets "
                                               "cache (HF_DATASETS_CACHE).")
-    prepare_only: bool = arg(False, "Tokenize the data into its cache and exit (a CPU job before a GPU job).")
+    prepare_only: bool = arg(False, "Tokenize the data into its cache, print each process's predicted memory "
+                                    "(counted on the model's first two layers, on this machine) and exit (a CPU job "
+                                    "before a GPU job).")
     preview_rows: int = arg(0, "With --prepare_only, in the chat recipes: print the first N training rows with what "
                                "trains in them marked, and write them to OUTPUT/data_preview.jsonl.")
 

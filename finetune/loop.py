@@ -47,17 +47,16 @@ from finetune.checkpointing.preemption import StopSignals
 from finetune.config import TrainConfig
 from finetune.data.batching import GlobalBatchSampler, padded_tokens
 from finetune.data.cache import load_or_build
-from finetune.distributed.fsdp import is_sharded
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 from finetune.evaluation import Evaluation
 from finetune.hub.pusher import HubPusher, download_last_checkpoint, model_card
-from finetune.models.estimate import predict_memory
-from finetune.models.loading import optimizer_param_groups, weight_dtypes
+from finetune.models.loading import optimizer_param_groups
 from finetune.models.memory import checkpoint_activations
 from finetune.observability.metering import TrainingMeter
 from finetune.runtimes.base import Runtime, TrackerSettings
 from finetune.runtimes.launcher import make_runtime
+from finetune.startup import announce, prepare_only, training_sampler
 from finetune.task import Task
 
 __all__ = ["train"]
@@ -80,7 +79,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
             ``--hub_strict``.
     """
     if cfg.prepare_only:
-        return _prepare_only(task, cfg)
+        return prepare_only(task, cfg)
 
     # -- where the run starts: a fresh output folder, or a checkpoint to continue from
     env = LaunchEnvironment.read()
@@ -111,10 +110,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         setup = task.setup(cfg, tokenizer, data)
         if cfg.gradient_checkpointing:
             checkpoint_activations(setup.model)
-        sampler = setup.sampler or GlobalBatchSampler(
-            setup.train_set.lengths, cfg.per_device_train_batch_size, runtime.world_size, seed=cfg.seed,
-            group_by_length=cfg.group_by_length, accumulation_steps=cfg.gradient_accumulation_steps,
-            loss_units=setup.train_set.loss_units)
+        sampler = training_sampler(setup, cfg, runtime)
         train_loader = runtime.train_loader(setup.train_set, sampler, setup.collate)
         eval_loader = runtime.eval_loader(setup.eval_set, cfg.per_device_eval_batch_size,
                                           setup.eval_collate or setup.collate)
@@ -139,7 +135,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         progress.launch_id = launch
         if runtime.is_main_process:  # only now that the run has all it needs may it remove what it replaces
             clear_output_dir(cfg.output_dir, progress, cfg.overwrite_output_dir, getattr(task, "run_files", ()))
-        _announce(task, cfg, runtime, data.source, setup, sampler, schedule, model, progress.epoch)
+        announce(task, cfg, runtime, data.source, setup, sampler, schedule.max_steps, model, progress.epoch)
 
         # -- train (the output folder exists: the main process made it when it took the lock); the bar is
         # closed however the loop ends, so that an error is printed on a line of its own
@@ -319,33 +315,6 @@ def _fresh_progress(cfg: TrainConfig, runtime: Runtime, model) -> Progress:
                     frozen_weights=frozen_weights_digest(model))
 
 
-def _announce(task: Task, cfg: TrainConfig, runtime: Runtime, source: str, setup, sampler: GlobalBatchSampler,
-              schedule: Schedule, model, epoch: int) -> None:
-    """The start-up line, then each process's memory predicted (``finetune.models.estimate``), with a warning
-    naming what would make it fit where it does not. Where --gradient_checkpointing is unset the prediction chooses
-    it, for every process alike (``MemoryEstimate.needs_recompute``)."""
-    not_counted = ("the batches are sampled as the run goes" if setup.sampler is not None else
-                   "a sharded model's forward needs its backward" if is_sharded(model) else "")
-    unwrapped = runtime.unwrap(model)
-    estimate = predict_memory(unwrapped, task.loss, setup.collate, setup.train_set,
-                              None if not_counted else sampler.plan(epoch, runtime.rank), runtime.device,
-                              LaunchEnvironment.read().local_world_size, bool(cfg.gradient_checkpointing), not_counted)
-    recompute = "layers recomputed in the backward pass, " if cfg.gradient_checkpointing else ""
-    if cfg.gradient_checkpointing is None and runtime.max_over_processes([float(estimate.needs_recompute())])[0]:
-        checkpoint_activations(unwrapped)
-        estimate = estimate.recomputed()
-        recompute = "layers recomputed in the backward pass (every activation kept would not fit), "
-    truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None else setup.truncated)
-    runtime.print(f"training {task.name} on {source}: {len(setup.train_set)} examples ({truncated} cut "
-                  f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {weight_dtypes(setup.model)}, "
-                  f"{recompute}{schedule.max_steps} steps, "
-                  f"{runtime.world_size} process(es) on {runtime.device.type}, {torch.get_num_threads()} CPU "
-                  f"thread(s) each [{runtime.name}]")
-    runtime.print(estimate.line())
-    if runtime.is_main_process and (advice := estimate.advice()):
-        print(f"warning: {advice}", file=sys.stderr, flush=True)
-
-
 def _finish_pushes(hub: HubPusher, cfg: TrainConfig, results: dict, stopped_at: Callable[[], float]) -> None:
     """Wait for the run's pushes (less once a stop signal comes: ``stopped_at``) and add their outcomes to
     ``all_results.json``.
@@ -378,40 +347,6 @@ def _starting_checkpoint(cfg: TrainConfig, env: LaunchEnvironment, launch: str) 
     if spec and spec.startswith("hub:"):
         spec = str(download_last_checkpoint(spec, cfg.hub_revision, cfg.hub_token))
     return resolve_resume_checkpoint(spec, cfg.output_dir), restarted or spec == "latest"
-
-
-def _prepare_only(task: Task, cfg: TrainConfig) -> dict:
-    """``--prepare_only``: make the data cache if it is missing, and nothing else (no model); with
-    ``--preview_rows``, the task's preview of its first training rows, printed and in ``data_preview.jsonl``.
-
-    Raises:
-        UserError: ``--preview_rows`` for a task that has no preview, before anything is built.
-    """
-    if cfg.preview_rows and not hasattr(task, "preview"):
-        raise UserError(f"--preview_rows: the {task.name} recipe has no preview of its rows; the chat recipes do")
-    with make_runtime(cfg, tracking=None) as runtime:
-        tokenizer = task.load_tokenizer(cfg)
-        data = load_or_build(task, cfg, tokenizer, runtime)
-        if cfg.preview_rows and runtime.is_main_process:
-            rows = task.preview(data, tokenizer, cfg.preview_rows)
-            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-            with open(Path(cfg.output_dir) / "data_preview.jsonl", "w") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
-            for row in rows:  # what trains between guillemets
-                runtime.print(f"-- example {row['example']}: " + _marked(row["text"], row["trained"]))
-    return {}
-
-
-def _marked(text: str, trained: list[str]) -> str:
-    """``text`` with each of its ``trained`` runs, in order, between guillemets."""
-    out, at = [], 0
-    for run in trained:
-        found = text.find(run, at)
-        if found < 0:
-            break
-        out += [text[at:found], "\u00ab", run, "\u00bb"]
-        at = found + len(run)
-    return "".join(out) + text[at:]
 
 
 def _main_process_choice(runtime: Runtime, chosen: Path | None, output_dir: str) -> Path | None:

@@ -506,12 +506,13 @@ TINY_LM_SIZES = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64
 
 
 def tiny_causal_lm(config_class=None, **extra):
-    """A random 2-layer causal LM (a Llama unless ``config_class`` says otherwise) over a 500-token vocabulary."""
+    """A random 2-layer causal LM (a Llama unless ``config_class`` says otherwise; ``extra`` sizes replace its own) over
+    a 500-token vocabulary."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config((config_class or LlamaConfig)(**TINY_LM_SIZES, **extra)).eval()
+    return AutoModelForCausalLM.from_config((config_class or LlamaConfig)(**{**TINY_LM_SIZES, **extra})).eval()
 
 
 def padded_batch(lengths=(11, 4, 8, 12, 6), prompt=3) -> dict:

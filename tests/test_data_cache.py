@@ -246,8 +246,16 @@ def test_prepare_only_builds_the_cache_and_touches_no_output_folder(small_data, 
     assert "built in" in result.stdout and not (tmp_path / "out").exists()
     folder = next(p for p in cache.iterdir() if p.is_dir())
     assert json.loads((folder / "prepared.json").read_text())["info"]["label_names"][0] == "account"
+    predicted = predicted_memory(result.stdout)
     result = train_here("classify", *flags, "--max_train_steps", "1", "--per_device_eval_batch_size", "64")
     assert f"tokenized data: {folder} (cached;" in result.stdout
+    # the prediction before the model loads is the run's, but for what is in use at the start (measured there)
+    assert predicted == predicted_memory(result.stdout) and "activations of the longest micro-batch" in predicted
+
+
+def predicted_memory(stdout: str) -> str:
+    line = next(line for line in stdout.splitlines() if line.startswith("memory per process, predicted peak"))
+    return line.split("(libraries, data, weights), ")[1]
 
 
 def watched(launcher: str, out: Path, *flags) -> list[str]:

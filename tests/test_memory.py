@@ -3,6 +3,7 @@ the rest to the same values and gradients."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -10,11 +11,14 @@ import torch
 from helpers import padded_batch, tiny_causal_lm
 from test_lora import adapted
 from torch.multiprocessing.reductions import StorageWeakRef
+from transformers import AutoModelForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from finetune.data.batching import TokenizedDataset
 from finetune.errors import UserError
-from finetune.models.estimate import MemoryEstimate, kept_for_backward, predict_memory
+from finetune.models.estimate import MemoryEstimate, extrapolated, kept_for_backward, predict_memory, weights_alive
+from finetune.models.loading import first_layers_only, load_model
+from finetune.models.lora import add_lora
 from finetune.models.memory import checkpoint_activations
 from finetune.tasks.causal_lm import label_log_probs
 from finetune.tasks.chat import IGNORE
@@ -118,6 +122,35 @@ def test_the_activations_predicted_for_the_longest_micro_batch_are_what_it_keeps
     assert recomputed < 0.6 * kept  # the two ways differ by more than the tolerance
     trained = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     assert (estimate.gradients, estimate.optimizer) == (trained, 2 * trained)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_prediction_from_the_first_layer_and_the_first_two_is_the_whole_model_s(tmp_path, lora):
+    """--prepare_only predicts before the model loads: counted on the model cut to its first layer and to its first
+    two, extrapolated to its 6 layers, the weights, gradients, optimizer states and activations both ways are what
+    the whole model's count says."""
+    tiny_causal_lm(num_hidden_layers=6).save_pretrained(tmp_path)
+    generator = torch.Generator().manual_seed(0)
+    rows = {"input_ids": [torch.randint(1, 500, (n,), generator=generator).tolist() for n in (30, 50, 70)]}
+    rows["labels"] = [[IGNORE] * 5 + ids[5:] for ids in rows["input_ids"]]
+    train_set = TokenizedDataset.from_dict(rows)
+
+    def counted(layers: int | None) -> tuple[MemoryEstimate, int, int | None]:
+        with first_layers_only(layers or 0) if layers else contextlib.nullcontext() as cut:
+            model = load_model(AutoModelForCausalLM, str(tmp_path))
+        model = add_lora(model, 4, 8, 0.0, "all-linear") if lora else model
+        estimate = predict_memory(model, chat_loss, collate_padded, train_set, [[0, 1], [2]], torch.device("cpu"), 1,
+                                  checkpointing=False)
+        return estimate, weights_alive(), cut and cut.full
+
+    (first, in_first, full), (first_two, in_first_two, _) = counted(1), counted(2)
+    assert full == 6
+    whole, in_whole, _ = counted(None)
+    predicted = extrapolated(first, first_two, (in_first, in_first_two), full)
+    assert predicted.in_use - first.in_use == in_whole - in_first  # the weights the other 5 layers add
+    assert (predicted.gradients, predicted.optimizer) == (whole.gradients, whole.optimizer)
+    assert (predicted.activations, predicted.other_way) == (whole.activations, whole.other_way)
+    assert whole.gradients > first.gradients and whole.other_way < 0.6 * whole.activations
 
 
 def test_a_peak_past_the_capacity_names_the_flag_that_would_make_it_fit():

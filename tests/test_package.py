@@ -47,7 +47,7 @@ def test_the_import_graph_reads_every_form_of_import(tmp_path):
 
 LAYERS = {
     "finetune.chat": 8, "finetune.cli": 7, "finetune.recipe": 7, "finetune.export": 7, "finetune.predict": 7,
-    "finetune.loop": 6, "finetune.evaluation": 5,
+    "finetune.loop": 6, "finetune.startup": 5, "finetune.evaluation": 5,
     "finetune.runtimes": 4,
     "finetune.tasks": 4, "finetune.models": 3, "finetune.hub": 3, "finetune.observability": 3,
     "finetune.distributed": 2, "finetune.data": 2, "finetune.checkpointing": 1, "finetune": 0,

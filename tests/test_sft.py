@@ -210,7 +210,7 @@ def test_gradient_checkpointing_trains_exactly_as_keeping_the_activations(tiny_c
 def test_unset_the_flag_recomputes_the_layers_where_the_estimate_says_every_activation_kept_would_not_fit(
         tiny_chat_model, chat_files, tmp_path, monkeypatch):
     """The rule itself is tests/test_memory.py's; here the loop acts on it, and --no_gradient_checkpointing wins."""
-    import finetune.loop
+    import finetune.startup
     from finetune.models.estimate import MemoryEstimate
 
     turned_on = []
@@ -223,7 +223,7 @@ def test_unset_the_flag_recomputes_the_layers_where_the_estimate_says_every_acti
     flags = ["--max_train_steps", "2", "--per_device_train_batch_size", "2", "--learning_rate", "1e-2",
              "--eval_generate", "0"]
     assert "layers recomputed" not in run_on("sft", tiny_chat_model, chat_files, tmp_path / "fits", *flags).stdout
-    monkeypatch.setattr(finetune.loop, "checkpoint_activations", checkpointing)
+    monkeypatch.setattr(finetune.startup, "checkpoint_activations", checkpointing)
     monkeypatch.setattr(MemoryEstimate, "needs_recompute", lambda estimate: not estimate.checkpointing)
     kept = run_on("sft", tiny_chat_model, chat_files, tmp_path / "kept", *flags, "--no_gradient_checkpointing")
     assert "layers recomputed" not in kept.stdout and turned_on == []

@@ -1,9 +1,12 @@
 """A process's peak memory predicted before its first step: what is in use once the model is loaded, the gradients
 and AdamW's states of the trained weights, and what the backward pass of the longest micro-batch keeps, counted on
-it or on its rows cut short."""
+it or on its rows cut short; or, before the model loads, counted on its first layer and its first two and
+extrapolated."""
 
 from __future__ import annotations
 
+import gc
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -16,7 +19,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from finetune.data.batching import padded_tokens
 from finetune.models.memory import checkpoint_activations
 
-__all__ = ["MemoryEstimate", "kept_for_backward", "predict_memory"]
+__all__ = ["MemoryEstimate", "extrapolated", "kept_for_backward", "predict_memory", "weights_alive"]
 
 COUNTED_TOKENS = 2048
 """The longest micro-batch counted as it is; a longer one is counted at about a half and a quarter of this."""
@@ -83,9 +86,9 @@ class MemoryEstimate:
                             + ("the architecture cannot recompute its layers" if self.other_way is None else
                                f"{_size(self.other_way)} {'without' if self.checkpointing else 'with'} "
                                "--gradient_checkpointing") + ")")
-        return (f"memory per process, predicted peak {_size(self.peak)}: {_size(self.in_use)} in use now (libraries, "
-                f"data, weights), {_size(self.gradients)} gradients, {_size(self.optimizer)} optimizer states, "
-                f"{activations}; this {self.device} has {_size(self.capacity)} for it")
+        return (f"memory per process, predicted peak {_size(self.peak)}: {_size(self.in_use)} in use at the start "
+                f"(libraries, data, weights), {_size(self.gradients)} gradients, {_size(self.optimizer)} optimizer "
+                f"states, {activations}; this {self.device} has {_size(self.capacity)} for it")
 
     def needs_recompute(self) -> bool:
         """Whether a run that leaves --gradient_checkpointing unset should recompute its layers: where keeping every
@@ -111,6 +114,45 @@ class MemoryEstimate:
                 return f"{passes}: --gradient_checkpointing would make it about {_size(recomputed)}"
         return (f"{passes}: a smaller --per_device_train_batch_size or --max_seq_length shrinks the activations, "
                 "--load_in_4bit (chat recipes, LoRA) the frozen weights")
+
+
+def extrapolated(first: MemoryEstimate, first_two: MemoryEstimate, weights: tuple[int, int], layers: int
+                 ) -> MemoryEstimate:
+    """The estimate for the model of ``layers`` layers from those for its first layer and its first two
+    (``weights``: the bytes of every weight alive with each, ``weights_alive``): each layer more adds what the
+    second added, in weights, trained weights and what the backward pass keeps; with the layers recomputed, one
+    layer's activations at a time are recomputed on top of the layers' inputs."""
+    def grown(one: int, two: int) -> int:
+        return one + (layers - 1) * (two - one)
+
+    trained = grown(first.gradients, first_two.gradients)
+    activations = other_way = None
+    if first.activations is not None:
+        def kept(estimate: MemoryEstimate) -> int:
+            return estimate.other_way if estimate.checkpointing else estimate.activations
+
+        def recomputed(estimate: MemoryEstimate, of: int) -> int | None:  # less the one recomputed layer's share
+            value = estimate.activations if estimate.checkpointing else estimate.other_way
+            return None if value is None else value - kept(estimate) // of
+
+        all_kept = grown(kept(first), kept(first_two))
+        inputs = (None if recomputed(first, 1) is None else
+                  grown(recomputed(first, 1), recomputed(first_two, 2)) + all_kept // layers)
+        activations, other_way = (inputs, all_kept) if first.checkpointing else (all_kept, inputs)
+    return replace(first, in_use=first.in_use + grown(*weights) - weights[0], gradients=trained,
+                   optimizer=2 * trained, activations=activations, other_way=other_way)
+
+
+def weights_alive() -> int:
+    """The bytes of every module's weights and buffers in this process (each storage once, wherever it is)."""
+    gc.collect()
+    storages = {}
+    for module in (thing for thing in gc.get_objects() if issubclass(type(thing), torch.nn.Module)):
+        for tensor in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
+            if tensor.device.type != "meta":
+                storage = tensor.untyped_storage()
+                storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _size(size: int) -> str:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from huggingface_hub import constants
@@ -10,11 +14,43 @@ from huggingface_hub import constants
 from finetune.checkpointing.files import replacing
 from finetune.errors import UserError
 
-__all__ = ["chat_model_folder", "default_chat_model_path", "default_model_path", "dequantized_gguf_folder",
-           "from_pretrained", "load_encoder_tokenizer", "load_labelled_encoder", "load_model", "optimizer_param_groups",
-           "weight_dtypes"]
+__all__ = ["FirstLayers", "chat_model_folder", "default_chat_model_path", "default_model_path",
+           "dequantized_gguf_folder", "first_layers_only", "from_pretrained", "load_encoder_tokenizer",
+           "load_labelled_encoder", "load_model", "optimizer_param_groups", "weight_dtypes"]
 
 CHAT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class FirstLayers:
+    """How many transformer layers models loaded in a ``first_layers_only`` block keep, and how many the last
+    model loaded there has in full (None until one loads)."""
+
+    kept: int
+    full: int | None = None
+
+
+_FIRST_LAYERS: contextvars.ContextVar[FirstLayers | None] = contextvars.ContextVar("first_layers", default=None)
+
+
+@contextlib.contextmanager
+def first_layers_only(layers: int) -> Iterator[FirstLayers]:
+    """Models loaded by ``load_model`` while the block runs keep only their first ``layers`` transformer layers
+    (the rest of the checkpoint is not read), quietly: a cheap model to count a whole one's memory on, layer by
+    layer (``finetune.models.estimate.extrapolated``)."""
+    import transformers
+
+    cut = FirstLayers(layers)
+    token = _FIRST_LAYERS.set(cut)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the load report lists every layer left out
+    transformers.logging.disable_progress_bar()
+    try:
+        yield cut
+    finally:
+        _FIRST_LAYERS.reset(token)
+        transformers.logging.set_verbosity(verbosity)
+        transformers.logging.enable_progress_bar()
 
 
 def default_model_path() -> str:
@@ -92,9 +128,16 @@ def load_model(auto_class, name_or_path: str, **kwargs):
 
     transformers loads a checkpoint in its saved dtype, and most released LLMs are saved in bfloat16, where an
     update of 1e-5 to a weight of 0.02 rounds away; lower precision for speed is ``--mixed_precision``'s job.
+    In a ``first_layers_only`` block, only the first layers load.
     """
     import torch
+    import transformers
 
+    if (cut := _FIRST_LAYERS.get()) is not None:
+        config = from_pretrained(transformers.AutoConfig, name_or_path,
+                                 trust_remote_code=kwargs.get("trust_remote_code", False))
+        cut.full = config.num_hidden_layers
+        kwargs = {**kwargs, "num_hidden_layers": cut.kept}
     return from_pretrained(auto_class, name_or_path, **{"dtype": torch.float32, **kwargs})
 
 

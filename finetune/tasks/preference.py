@@ -394,7 +394,8 @@ def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set
     model = load_causal_lm(name, trust_remote_code=cfg.trust_remote_code, **args.loading_options(cfg))
     precomputation = None
     precision = run_precision(cfg)
-    if args.precompute_ref_log_probs:
+    # --prepare_only counts the memory with the live reference: the same for the backward pass, and no table made
+    if args.precompute_ref_log_probs and not cfg.prepare_only:
         precomputation = Precomputation(train_set, collate, cfg.per_device_eval_batch_size,
                                         args.per_device_eval_max_tokens, table_path,
                                         key=reference_key(model, precision, data_folder))
