@@ -23,6 +23,7 @@ from finetune.models.memory import checkpoint_activations, is_four_bit
 from finetune.runtimes.base import Runtime
 from finetune.runtimes.launcher import make_runtime
 from finetune.task import Task, TaskSetup
+from finetune.tasks.causal_lm import run_precision
 
 __all__ = ["announce", "prepare_only", "training_sampler"]
 
@@ -89,23 +90,32 @@ def prepare_only(task: Task, cfg: TrainConfig) -> dict:
 def _predicted_before_loading(task: Task, cfg: TrainConfig, tokenizer, data, runtime: Runtime) -> MemoryEstimate:
     """The prediction ``announce`` makes, from the task's model cut to its first layer and to its first two
     (``finetune.models.loading.first_layers_only``), extrapolated to all of them; the task's model itself where
-    the task loads it otherwise. Each model is let go (and the task closed) before the next loads."""
-    estimates, weights = [], []
-    for layers in (1, 2):
-        with first_layers_only(layers) as cut:
-            setup = task.setup(cfg, tokenizer, data)
-        if runtime.device.type != "cpu" and not is_four_bit(setup.model):  # 4-bit weights load onto the device
-            setup.model.to(runtime.device)
-        if cfg.gradient_checkpointing:
-            checkpoint_activations(setup.model)
-        estimates.append(_predicted(task, cfg, runtime, setup, training_sampler(setup, cfg, runtime), setup.model,
-                                    epoch=0))
-        weights.append(weights_alive())
-        del setup
-        getattr(task, "close", lambda: None)()
-        if cut.full is None:  # not loaded through load_model: the whole model was counted
-            return estimates[0]
-    return extrapolated(*estimates, tuple(weights), cut.full)
+    it cannot be cut. Each model is let go before the next loads; the task is closed at the end."""
+    estimates, weights, full = [], [], None
+    with contextlib.ExitStack() as closing:
+        closing.callback(getattr(task, "close", lambda: None))
+        for layers in (1, 2):
+            with first_layers_only(layers) as cut:
+                setup = task.setup(cfg, tokenizer, data)
+            if runtime.device.type != "cpu" and not is_four_bit(setup.model):  # 4-bit weights load onto the device
+                setup.model.to(runtime.device)
+            if cfg.gradient_checkpointing:
+                checkpoint_activations(setup.model)
+            with _autocast(cfg, runtime.device):  # as the runtime runs the model's forward
+                estimates.append(_predicted(task, cfg, runtime, setup, training_sampler(setup, cfg, runtime),
+                                            setup.model, epoch=0))
+            weights.append(weights_alive(runtime.device))
+            del setup
+            full = full or cut.full
+            if full is None:  # it loaded whole: counted as it is
+                return estimates[0]
+    return extrapolated(*estimates, tuple(weights), full)
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    precision = run_precision(cfg)
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
+                          enabled=precision in ("bf16", "fp16"))
 
 
 def _predicted(task: Task, cfg: TrainConfig, runtime: Runtime, setup: TaskSetup, sampler, model, epoch: int

@@ -21,6 +21,7 @@ from helpers import (
     load_recipe,
     note_longest_texts,
     parity_flags,
+    python_cmd,
     recipe_path,
     run,
     train_here,
@@ -238,16 +239,19 @@ load_or_build(task, cfg, task.load_tokenizer(cfg))
 
 # -- runs
 
-def test_prepare_only_builds_the_cache_and_touches_no_output_folder(small_data, tiny_bert, tmp_path):
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_prepare_only_builds_the_cache_and_touches_no_output_folder(small_data, tiny_bert, tmp_path, precision):
     cache = tmp_path / "cache"
     flags = [*data_flags(small_data), "--model_name_or_path", str(tiny_bert), "--dataset_cache_dir", str(cache),
-             "--output_dir", str(tmp_path / "out")]
-    result = train_here("classify", *flags, "--prepare_only")
+             "--output_dir", str(tmp_path / "out"), "--mixed_precision", precision]
+    def classify(*more: str):  # bf16 in a process of its own: this one's Accelerator state is float32
+        return train_here("classify", *flags, *more) if precision == "no" else run(python_cmd(*flags, *more))
+    result = classify("--prepare_only")
     assert "built in" in result.stdout and not (tmp_path / "out").exists()
     folder = next(p for p in cache.iterdir() if p.is_dir())
     assert json.loads((folder / "prepared.json").read_text())["info"]["label_names"][0] == "account"
     predicted = predicted_memory(result.stdout)
-    result = train_here("classify", *flags, "--max_train_steps", "1", "--per_device_eval_batch_size", "64")
+    result = classify("--max_train_steps", "1", "--per_device_eval_batch_size", "64")
     assert f"tokenized data: {folder} (cached;" in result.stdout
     # the prediction before the model loads is the run's, but for what is in use at the start (measured there)
     assert predicted == predicted_memory(result.stdout) and "activations of the longest micro-batch" in predicted

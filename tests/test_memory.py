@@ -141,7 +141,7 @@ def test_the_prediction_from_the_first_layer_and_the_first_two_is_the_whole_mode
         model = add_lora(model, 4, 8, 0.0, "all-linear") if lora else model
         estimate = predict_memory(model, chat_loss, collate_padded, train_set, [[0, 1], [2]], torch.device("cpu"), 1,
                                   checkpointing=False)
-        return estimate, weights_alive(), cut and cut.full
+        return estimate, weights_alive(torch.device("cpu")), cut and cut.full
 
     (first, in_first, full), (first_two, in_first_two, _) = counted(1), counted(2)
     assert full == 6

@@ -522,7 +522,7 @@ def test_a_reply_of_megabytes_is_cut_before_it_is_tokenized(tokenizer, tmp_path,
 
 def test_prepare_only_previews_the_rows_with_what_trains_in_them(tokenizer, tiny_chat_model, tmp_path):
     """--prepare_only --preview_rows N: the first N training rows, each run of trained tokens decoded, printed with
-    the trained text marked and written to data_preview.jsonl; no model is loaded or saved."""
+    the trained text marked and written to data_preview.jsonl; no model is saved."""
     conversations = [{"messages": TWO_TURNS}, *({"messages": m} for m in make_support_conversations()["train"]
                                                 ["messages"][:3])]
     train = write_jsonl(tmp_path / "train.jsonl", conversations)

@@ -143,13 +143,13 @@ def extrapolated(first: MemoryEstimate, first_two: MemoryEstimate, weights: tupl
                    optimizer=2 * trained, activations=activations, other_way=other_way)
 
 
-def weights_alive() -> int:
-    """The bytes of every module's weights and buffers in this process (each storage once, wherever it is)."""
+def weights_alive(device: torch.device) -> int:
+    """The bytes of the weights and buffers of every module in this process, on ``device`` (each storage once)."""
     gc.collect()
     storages = {}
     for module in (thing for thing in gc.get_objects() if issubclass(type(thing), torch.nn.Module)):
         for tensor in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
-            if tensor.device.type != "meta":
+            if tensor.device.type == device.type:
                 storage = tensor.untyped_storage()
                 storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())

@@ -37,12 +37,14 @@ _FIRST_LAYERS: contextvars.ContextVar[FirstLayers | None] = contextvars.ContextV
 def first_layers_only(layers: int) -> Iterator[FirstLayers]:
     """Models loaded by ``load_model`` while the block runs keep only their first ``layers`` transformer layers
     (the rest of the checkpoint is not read), quietly: a cheap model to count a whole one's memory on, layer by
-    layer (``finetune.models.estimate.extrapolated``)."""
+    layer (``finetune.models.estimate.extrapolated``). A model whose configuration has no top-level
+    ``num_hidden_layers`` (a vision-language model's is in its text configuration), or no more layers than these,
+    loads whole, and ``full`` stays None."""
     import transformers
 
     cut = FirstLayers(layers)
     token = _FIRST_LAYERS.set(cut)
-    verbosity = transformers.logging.get_verbosity()
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
     transformers.logging.set_verbosity_error()  # the load report lists every layer left out
     transformers.logging.disable_progress_bar()
     try:
@@ -50,7 +52,8 @@ def first_layers_only(layers: int) -> Iterator[FirstLayers]:
     finally:
         _FIRST_LAYERS.reset(token)
         transformers.logging.set_verbosity(verbosity)
-        transformers.logging.enable_progress_bar()
+        if bars:
+            transformers.logging.enable_progress_bar()
 
 
 def default_model_path() -> str:
@@ -136,8 +139,10 @@ def load_model(auto_class, name_or_path: str, **kwargs):
     if (cut := _FIRST_LAYERS.get()) is not None:
         config = from_pretrained(transformers.AutoConfig, name_or_path,
                                  trust_remote_code=kwargs.get("trust_remote_code", False))
-        cut.full = config.num_hidden_layers
-        kwargs = {**kwargs, "num_hidden_layers": cut.kept}
+        layers = getattr(config, "num_hidden_layers", None) if config.get_text_config() is config else None
+        if layers is not None and layers > cut.kept:
+            cut.full = layers
+            kwargs = {**kwargs, "num_hidden_layers": cut.kept}
     return from_pretrained(auto_class, name_or_path, **{"dtype": torch.float32, **kwargs})
 
 
