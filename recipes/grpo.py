@@ -82,8 +82,9 @@ class GRPOTask(causal_lm.ChatTask):
         grpo.check_whole_groups(cfg.per_device_train_batch_size * env.world_size * cfg.gradient_accumulation_steps,
                                 args.num_generations)
         self.run_files = tuple(f"rollout-rank{rank}.pt" for rank in range(env.world_size))  # (num_iterations > 1)
-        self.pool = RewardPool(args.reward_funcs, timeout=args.reward_timeout, passed_environment=args.reward_env,
-                               environment=args.environment)
+        # one pool however often the model is set up (--prepare_only counts on two cut models)
+        self.pool = self.pool or RewardPool(args.reward_funcs, timeout=args.reward_timeout,
+                                            passed_environment=args.reward_env, environment=args.environment)
         # an environment that cannot start is refused before the model loads; the rewards check gets it started
         started = self.tools.reset(row_columns(data.train.select([0])))[0][1] if args.environment else None
         scoring.check_rewards_on(self.pool, data.train[0], environment=started)

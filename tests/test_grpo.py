@@ -500,6 +500,22 @@ def test_rewards_that_score_nothing_are_said_at_each_step_and_stop_the_run_at_th
     assert result.stderr.count("warning: no reward function scored any") == 2
 
 
+def test_prepare_only_predicts_on_two_cut_models_with_one_pool_of_reward_workers_closed_at_the_end(
+        tiny_chat_model, rewards, tmp_path, monkeypatch):
+    from finetune.tasks.rewards import RewardPool
+
+    started, closed = [], []
+    start, close = RewardPool.__init__, RewardPool.close
+    monkeypatch.setattr(RewardPool, "__init__", lambda pool, *args, **kwargs: (started.append(pool),
+                                                                              start(pool, *args, **kwargs))[1])
+    monkeypatch.setattr(RewardPool, "close", lambda pool: (closed.append(pool), close(pool))[1])
+    out = tmp_path / "out"
+    result = run_on("grpo", tiny_chat_model, [], out, *FLAGS, "--reward_funcs", f"{rewards}:distinct",
+                    "--prepare_only")
+    assert "activations not counted (the batches are sampled as the run goes)" in result.stdout
+    assert len(started) == 1 and closed and set(closed) == set(started) and not out.exists()
+
+
 def test_a_reward_function_that_kills_its_worker_is_counted_and_training_goes_on(
         tiny_chat_model_with_distinct_replies, rewards, tmp_path):
     out = tmp_path / "out"

@@ -139,7 +139,10 @@ def load_model(auto_class, name_or_path: str, **kwargs):
     if (cut := _FIRST_LAYERS.get()) is not None:
         config = from_pretrained(transformers.AutoConfig, name_or_path,
                                  trust_remote_code=kwargs.get("trust_remote_code", False))
-        layers = getattr(config, "num_hidden_layers", None) if config.get_text_config() is config else None
+        try:
+            layers = getattr(config, "num_hidden_layers", None) if config.get_text_config() is config else None
+        except ValueError:  # a composite configuration whose text part is ambiguous
+            layers = None
         if layers is not None and layers > cut.kept:
             cut.full = layers
             kwargs = {**kwargs, "num_hidden_layers": cut.kept}
