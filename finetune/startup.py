@@ -23,7 +23,6 @@ from finetune.models.memory import checkpoint_activations, is_four_bit
 from finetune.runtimes.base import Runtime
 from finetune.runtimes.launcher import make_runtime
 from finetune.task import Task, TaskSetup
-from finetune.tasks.causal_lm import run_precision
 
 __all__ = ["announce", "prepare_only", "training_sampler"]
 
@@ -101,7 +100,7 @@ def _predicted_before_loading(task: Task, cfg: TrainConfig, tokenizer, data, run
                 setup.model.to(runtime.device)
             if cfg.gradient_checkpointing:
                 checkpoint_activations(setup.model)
-            with _autocast(cfg, runtime.device):  # as the runtime runs the model's forward
+            with runtime.autocast():  # as the prepared model's forward would run
                 estimates.append(_predicted(task, cfg, runtime, setup, training_sampler(setup, cfg, runtime),
                                             setup.model, epoch=0))
             weights.append(weights_alive(runtime.device))
@@ -110,12 +109,6 @@ def _predicted_before_loading(task: Task, cfg: TrainConfig, tokenizer, data, run
             if full is None:  # it loaded whole: counted as it is
                 return estimates[0]
     return extrapolated(*estimates, tuple(weights), full)
-
-
-def _autocast(cfg: TrainConfig, device: torch.device):
-    precision = run_precision(cfg)
-    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
-                          enabled=precision in ("bf16", "fp16"))
 
 
 def _predicted(task: Task, cfg: TrainConfig, runtime: Runtime, setup: TaskSetup, sampler, model, epoch: int

@@ -152,6 +152,9 @@ class AccelerateRuntime(Runtime):
     def wait_for_everyone(self):
         self.accelerator.wait_for_everyone()
 
+    def autocast(self):
+        return self.accelerator.autocast()
+
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)
 

@@ -15,7 +15,7 @@ import random
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -145,6 +145,11 @@ class Runtime(ABC):
         """
         if self.world_size > 1:
             dist.monitored_barrier(group=self._cpu_group(), timeout=SAVE_WAIT)
+
+    def autocast(self) -> AbstractContextManager:
+        """The autocast the prepared model's forward runs under (none here): to run the model as ``prepare`` would
+        have it run before it is prepared (the memory predicted before the model loads)."""
+        return nullcontext()
 
     def first_refusal(self, message: str | None) -> str | None:
         """The message of the first process (by rank) that refused, for every process; None where none did.

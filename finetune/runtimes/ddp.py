@@ -87,7 +87,7 @@ class DDPRuntime(Runtime):
     def prepare(self, model, optimizer, scheduler, *loaders):
         model.to(self.device)
         if self.bf16:
-            model.forward = torch.autocast(self.device.type, dtype=torch.bfloat16)(model.forward)
+            model.forward = self.autocast()(model.forward)
         self._model = wrap_model(model, self.info)
         self._optimizer, self._scheduler = optimizer, scheduler
         return self._model, optimizer, scheduler, *loaders
@@ -133,6 +133,9 @@ class DDPRuntime(Runtime):
     def wait_for_everyone(self):
         if dist.is_initialized():
             dist.barrier()
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def unwrap(self, model):
         return unwrap(model)

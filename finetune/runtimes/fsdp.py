@@ -36,6 +36,9 @@ class FSDPRuntime(DDPRuntime):
         init_sharding(backend, ddp_timeout)  # the raw-DDP runtime joins this group, one process included
         super().__init__(backend=backend, ddp_timeout=ddp_timeout, **common)
 
+    def autocast(self):  # bf16 is the sharding's mixed-precision policy, not autocast
+        return contextlib.nullcontext()
+
     def prepare(self, model, optimizer, scheduler, *loaders):
         # bf16 is the sharding's mixed-precision policy, not autocast: weights are gathered in bf16.
         self._model = shard_model(model.to(self.device), self.info, optimizer, bf16=self.bf16)
