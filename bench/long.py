@@ -52,7 +52,10 @@ gigabytes no tensor uses. ``--return_freed_memory`` runs both sides with ``MALLO
 KiB, so that their peaks are of memory in use. The configurations of a length run in a rotated order in each
 repeat, lengths in turn.
 The recipe's runs also record the peak their start-up line predicted (``finetune.models.estimate``), and each
-length its ratio to the measured one. Writes ``bench/results/long.json``: every run, and each length's medians
+length its ratio to the measured one. ``--predicted_only`` measures nothing: it runs the recipe's configuration of
+every length already in the results file with ``--prepare_only`` and records that prediction beside the measured
+peak (``predicted_now``, with the commit and date; the table shows its ratio where there is one).
+Writes ``bench/results/long.json``: every run, and each length's medians
 and ratios (taken within a repeat);
 lengths measured before and not now stay in it under ``earlier``, with their date, and ``long.md`` and ``long.png``
 show every length (a length marked ``time_comparable: false``, timed on a shared CPU, is left off the speed chart).
@@ -282,6 +285,33 @@ def run(config: str, train: Path, validation: Path, tokens: int, scratch: Path, 
     return figures
 
 
+def predict_again(results_file: Path, recipe: str) -> None:
+    """``--predicted_only``: each measured length's prediction by ``--prepare_only`` at this commit, beside its
+    measured peak."""
+    results = json.loads(results_file.read_text())
+    assert not results["model"].startswith("random Llama"), "the CPU suites only"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as scratch_dir:
+        scratch = Path(scratch_dir)
+        model = str(endless_model(scratch / "endless")) if recipe == "grpo" else None
+        for tokens, figures in lengths_measured(results).items():
+            train, validation = write_rows(scratch, tokens, recipe)
+            result = subprocess.run([*command("finetune", train, validation, tokens, scratch / "out", model, recipe),
+                                     "--prepare_only"], cwd=REPO, capture_output=True, text=True,
+                                    env={**os.environ, "OMP_NUM_THREADS": "2", "BENCH_REPORT_DIR": str(scratch)})
+            predicted = re.search(r"predicted peak ([\d.]+) (MiB|GiB)", result.stdout)
+            assert predicted, result.stdout[-2000:] + result.stderr[-2000:]
+            mib = round(float(predicted[1]) * (1024 if predicted[2] == "GiB" else 1))
+            measured = figures["medians"]["finetune"][peak_key(results)]
+            entry = {"predicted_peak_mib": mib, "vs_measured": round(mib / measured, 3), "commit": commit.strip(),
+                     "date": time.strftime("%Y-%m-%d")}
+            where = results["summary"] if str(tokens) in results["summary"] else results["earlier"]
+            where[str(tokens)]["predicted_now"] = entry
+            print(tokens, entry, flush=True)
+    results_file.write_text(json.dumps(results, indent=2) + "\n")
+    results_file.with_suffix(".md").write_text(table(results))
+
+
 def lengths_measured(results: dict) -> dict[int, dict]:
     """Each length's summary, this run's and those kept from earlier runs (with their dates), shortest first."""
     every = {**results.get("earlier", {}),
@@ -313,7 +343,8 @@ def table(results: dict) -> str:
         memory = f"**{ratios['peak_memory_vs_trl']:.2f}x**" if "peak_memory_vs_trl" in ratios else "-"
         speed = f"{ratios['tokens_per_second_vs_trl']:.2f}x" if "tokens_per_second_vs_trl" in ratios else "-"
         speed = speed if figures.get("time_comparable", True) else "not comparable"
-        predicted = ratios.get("finetune_predicted_vs_measured_peak")
+        predicted = figures.get("predicted_now", {}).get("vs_measured") or ratios.get(
+            "finetune_predicted_vs_measured_peak")
         shown = tokens if results["recipe"] == "grpo" else figures.get("real_tokens") or tokens
         lines.append(f"| {shown:,} | {cell(ours, peak, ' MiB')} "
                      f"| {cell(theirs, peak, ' MiB')} | {memory} | {cell(ours, 'tokens_per_second')} "
@@ -322,6 +353,9 @@ def table(results: dict) -> str:
                      f"| {figures['date']} |")
     notes = [f"- {tokens:,}: {figures['note']}"
              for tokens, figures in lengths_measured(results).items() if "note" in figures]
+    notes += [f"- {tokens:,}: predicted {now['predicted_peak_mib']:,} MiB by `--prepare_only` at {now['commit']} "
+              f"({now['date']}; `--predicted_only`)"
+              for tokens, figures in lengths_measured(results).items() if (now := figures.get("predicted_now"))]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
@@ -362,7 +396,7 @@ def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Pat
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
         model = str(random_llama(model_size, scratch / f"llama-{model_size}")) if model_size else None
-        model = str(endless_model(scratch / "endless")) if recipe == "grpo" else model
+        model = str(endless_model(scratch / "endless")) if recipe == "grpo" else None
         data = {tokens: write_rows(scratch, tokens, recipe) for tokens in lengths}
         for repeat in range(repeats):
             for tokens in lengths:
@@ -421,10 +455,14 @@ if __name__ == "__main__":
                         help="default: bench/results/long.json, long-dpo.json or long-grpo.json by --recipe")
     parser.add_argument("--model_size", choices=sorted(SIZES), help="a random Llama instead of SmolLM2 (see above)")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, help="these configurations only, at every length")
+    parser.add_argument("--predicted_only", action="store_true",
+                        help="measure nothing: record --prepare_only's prediction for each length in the results file")
     parser.add_argument("--recipe", choices=RECIPES, default="sft",
                         help="dpo: a pair of replies each LENGTH tokens long, against TRL's DPOTrainer; grpo: "
                              "completions LENGTH tokens long, against TRL's GRPOTrainer")
     cli = parser.parse_args()
     default_file = BENCH / "results" / ("long.json" if cli.recipe == "sft" else f"long-{cli.recipe}.json")
+    if cli.predicted_only:
+        sys.exit(predict_again(cli.results_file or default_file, cli.recipe))
     main(cli.lengths, cli.repeats, cli.return_freed_memory, cli.results_file or default_file, cli.model_size,
          cli.configs, cli.recipe)

@@ -17,7 +17,7 @@ from finetune.data.batching import GlobalBatchSampler
 from finetune.data.cache import load_or_build
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
-from finetune.models.estimate import MemoryEstimate, extrapolated, predict_memory, weights_alive
+from finetune.models.estimate import MemoryEstimate, extrapolated, longest_planned, predict_memory, weights_alive
 from finetune.models.loading import first_layers_only, weight_dtypes
 from finetune.models.memory import checkpoint_activations, is_four_bit
 from finetune.runtimes.base import Runtime
@@ -115,11 +115,17 @@ def _predicted(task: Task, cfg: TrainConfig, runtime: Runtime, setup: TaskSetup,
                ) -> MemoryEstimate:
     """This process's peak training ``model`` (unwrapped) on its plan of ``epoch``, the activations counted where
     they can be."""
-    not_counted = ("the batches are sampled as the run goes" if setup.sampler is not None else
-                   "a sharded model's forward needs its backward" if runtime.shards else "")
-    return predict_memory(model, task.loss, setup.collate, setup.train_set,
-                          None if not_counted else sampler.plan(epoch, runtime.rank), runtime.device,
-                          LaunchEnvironment.read().local_world_size, bool(cfg.gradient_checkpointing), not_counted)
+    counted, not_counted = None, ""
+    if runtime.shards:
+        not_counted = "a sharded model's forward needs its backward"
+    elif setup.sampler is None:
+        counted = longest_planned(setup.train_set, sampler.plan(epoch, runtime.rank), setup.collate, task.loss)
+    elif setup.largest_batch is None:
+        not_counted = "the batches are sampled as the run goes"
+    else:
+        counted = setup.largest_batch
+    return predict_memory(model, counted, runtime.device, LaunchEnvironment.read().local_world_size,
+                          bool(cfg.gradient_checkpointing), not_counted)
 
 
 def _recompute_chosen(estimate: MemoryEstimate, cfg: TrainConfig, runtime: Runtime) -> bool:

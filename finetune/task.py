@@ -11,7 +11,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["ModelCardInfo", "Task", "TaskSetup"]
+__all__ = ["CountedBatch", "ModelCardInfo", "Task", "TaskSetup"]
+
+
+@dataclass
+class CountedBatch:
+    """A micro-batch the memory prediction counts (``finetune.models.estimate.predict_memory``): its rows, whose
+    token lists the count may cut short, the collate that makes them a batch, and the loss of one."""
+
+    rows: list[dict]
+    collate: Callable[[list[dict]], dict]
+    loss: Callable[[Any, dict], Any]
+    """``loss(model, batch)``, as ``Task.loss``, leaving nothing in what the run logs."""
+    tokens: str
+    """Its size for the start-up line, as rows x tokens."""
 
 
 @dataclass
@@ -32,6 +45,9 @@ class TaskSetup:
     sampler: Any = None
     """The plan of training batches, for a task that plans its own (GRPO's ``RolloutSampler``); default the
     loop's ``GlobalBatchSampler`` over ``train_set``."""
+    largest_batch: CountedBatch | None = None
+    """For a task that plans its own batches (``sampler``), whose rows are made as the run goes: the largest
+    micro-batch it can train on, for the memory prediction; None: its activations are not predicted."""
     truncated: int | None = None
     """How many training examples were cut to ``--max_seq_length``, for the start-up line; default: those whose
     length reaches it (a task whose lengths count more than one row says it)."""

@@ -115,7 +115,7 @@ class GRPOTask(causal_lm.ChatTask):
                    + ", ".join(args.reward_funcs), args.tools and "tools: " + ", ".join(args.tools),
                    args.environment and f"environment: {args.environment}", adapters]
         return TaskSetup(train_set, TokenizedDataset(data.validation, ["index"]), _indices, model, sampler=sampler,
-                         summary=", ".join(filter(None, summary)))
+                         largest_batch=self.rollouts.largest_micro_batch(), summary=", ".join(filter(None, summary)))
 
     def rollout(self, model, window, epoch):
         return self.rollouts(model, window, epoch)

@@ -512,8 +512,41 @@ def test_prepare_only_predicts_on_two_cut_models_with_one_pool_of_reward_workers
     out = tmp_path / "out"
     result = run_on("grpo", tiny_chat_model, [], out, *FLAGS, "--reward_funcs", f"{rewards}:distinct",
                     "--prepare_only")
-    assert "activations not counted (the batches are sampled as the run goes)" in result.stdout
+    assert "activations of the longest micro-batch (16 x " in result.stdout
     assert len(started) == 1 and closed and set(closed) == set(started) and not out.exists()
+
+
+@pytest.mark.parametrize("checkpointing", ["--gradient_checkpointing", "--no_gradient_checkpointing"])
+def test_the_predicted_activations_are_a_micro_batch_s_of_the_longest_prompt_and_completions_at_the_limit(
+        checkpointing, tiny_chat_model, rewards, tmp_path, monkeypatch):
+    """GRPO's batches are sampled as the run goes: the prediction counts the largest micro-batch it can train on,
+    the longest prompt with completions of --max_completion_length tokens, as a real one of those keeps it (each
+    prompt run once for its completions, or each completion a row with it where the layers are recomputed)."""
+    from finetune.models.estimate import kept_for_backward
+    from finetune.tasks.rollout import Rollouts
+
+    prompt = [{"role": "user", "content": "Name a colour and say why it is yours."}]
+    files = ["--train_file", write_jsonl(tmp_path / "train.jsonl", [{"prompt": prompt}] * 8),
+             "--validation_file", write_jsonl(tmp_path / "validation.jsonl", [{"prompt": prompt}] * 2)]
+    seen, loss = [], Rollouts.loss
+
+    def counting(rollouts, model, batch):
+        if not seen:
+            largest = rollouts.largest_micro_batch()
+            seen.append((batch["reply_mask"].sum(1).tolist(), int(batch["prompt_mask"].sum(1).max()), largest.tokens,
+                         kept_for_backward(lambda: rollouts._loss_and_figures(model, dict(batch)), model),
+                         kept_for_backward(lambda: largest.loss(model, largest.collate(largest.rows)), model)))
+        return loss(rollouts, model, batch)
+
+    monkeypatch.setattr(Rollouts, "loss", counting)
+    result = run_on("grpo", tiny_chat_model, files, tmp_path / "out", *FLAGS, "--reward_funcs",
+                    f"{rewards}:distinct", "--per_device_train_batch_size", "4", "--max_train_steps", "1",
+                    checkpointing)
+    (lengths, prompt_tokens, tokens, real, counted), = seen
+    assert lengths == [8] * 4, "every completion reached --max_completion_length"
+    assert tokens == f"4 x {prompt_tokens + 8}" and f"activations of the longest micro-batch ({tokens} tokens" in (
+        result.stdout)
+    assert counted == real > 0
 
 
 def test_a_reward_function_that_kills_its_worker_is_counted_and_training_goes_on(

@@ -5,21 +5,32 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 
 import pytest
 import torch
 from helpers import padded_batch, tiny_causal_lm
 from test_lora import adapted
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from finetune.data.batching import TokenizedDataset
 from finetune.errors import UserError
-from finetune.models.estimate import MemoryEstimate, extrapolated, kept_for_backward, predict_memory, weights_alive
+from finetune.models.estimate import (
+    MemoryEstimate,
+    extrapolated,
+    kept_for_backward,
+    longest_planned,
+    predict_memory,
+    weights_alive,
+)
 from finetune.models.loading import first_layers_only, load_model
 from finetune.models.lora import add_lora
 from finetune.models.memory import checkpoint_activations
+from finetune.tasks import causal_lm
 from finetune.tasks.causal_lm import label_log_probs
 from finetune.tasks.chat import IGNORE
 
@@ -103,7 +114,7 @@ def test_the_activations_predicted_for_the_longest_micro_batch_are_what_it_keeps
     if checkpointing:
         checkpoint_activations(model)
     torch.manual_seed(5)
-    estimate = predict_memory(model, chat_loss, collate_padded, train_set, [[0, 1], [2, 3], [4, 5]],
+    estimate = predict_memory(model, longest_planned(train_set, [[0, 1], [2, 3], [4, 5]], collate_padded, chat_loss),
                               torch.device("cpu"), 1, checkpointing)
     drawn_after = torch.rand(1)
     torch.manual_seed(5)
@@ -124,6 +135,61 @@ def test_the_activations_predicted_for_the_longest_micro_batch_are_what_it_keeps
     assert (estimate.gradients, estimate.optimizer) == (trained, 2 * trained)
 
 
+class LiveBytes(TorchDispatchMode):
+    """Every tensor torch makes while on, each storage counted from its making until it is freed: ``now`` and
+    ``peak`` bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = self.peak = 0
+        self.alive: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in (t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() and storage.data_ptr() not in self.alive:
+                self.alive.add(storage.data_ptr())
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
+        return out
+
+    def _freed(self, address: int, size: int) -> None:
+        self.now -= size
+        self.alive.discard(address)
+
+
+@pytest.mark.parametrize("per_chunk", [None, 16], ids=["the-batch-bounds-it", "the-chunk-limit-bounds-it"])
+def test_the_output_layer_s_chunk_of_logits_is_predicted_as_its_backward_holds_it(per_chunk, monkeypatch):
+    """The chat recipes' output layer computes its logits a chunk at a time and recomputes each in the backward
+    pass, so the count of what is kept never sees one: the prediction adds a chunk at its backward's peak, as
+    measured (every tensor torch makes, alive until freed), the chunk as long as the batch's labelled positions or
+    as the chunk limit allows."""
+    model = adapted(0.0).eval()  # the output layer frozen, as with LoRA
+    vocabulary = model.get_output_embeddings().weight.shape[0]
+    if per_chunk:
+        monkeypatch.setattr(causal_lm, "LOGITS_PER_CHUNK", per_chunk * vocabulary)
+    generator = torch.Generator().manual_seed(0)
+    rows = {"input_ids": [torch.randint(1, 500, (n,), generator=generator).tolist() for n in (60, 80)]}
+    rows["labels"] = [[IGNORE] * 10 + ids[10:] for ids in rows["input_ids"]]
+    train_set = TokenizedDataset.from_dict(rows)
+    labelled = int((collate_padded([train_set[0], train_set[1]])["labels"][:, 1:] != IGNORE).sum())
+    estimate = predict_memory(model, longest_planned(train_set, [[0, 1]], collate_padded, chat_loss),
+                              torch.device("cpu"), 1, checkpointing=False)
+    chunk = min(labelled, per_chunk or labelled) * vocabulary * 4
+    assert estimate.logits == 3 * chunk and f"{estimate.logits / 2**20:.0f} MiB for the output layer's chunk" in (
+        estimate.line())
+
+    hidden = torch.randn(labelled, model.config.hidden_size, requires_grad=True)
+    targets = torch.randint(0, vocabulary, (labelled,), generator=generator)
+    with LiveBytes() as live:
+        log_probs = causal_lm._head_log_probs(model, {"autocast": ("cpu", torch.bfloat16, False)}, hidden, targets)
+        live.peak = before = live.now
+        log_probs.sum().backward()
+    assert live.peak - before - hidden.grad.nbytes == pytest.approx(estimate.logits, rel=0.05)
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_the_prediction_from_the_first_layer_and_the_first_two_is_the_whole_model_s(tmp_path, lora):
     """--prepare_only predicts before the model loads: counted on the model cut to its first layer and to its first
@@ -139,8 +205,8 @@ def test_the_prediction_from_the_first_layer_and_the_first_two_is_the_whole_mode
         with first_layers_only(layers or 0) if layers else contextlib.nullcontext() as cut:
             model = load_model(AutoModelForCausalLM, str(tmp_path))
         model = add_lora(model, 4, 8, 0.0, "all-linear") if lora else model
-        estimate = predict_memory(model, chat_loss, collate_padded, train_set, [[0, 1], [2]], torch.device("cpu"), 1,
-                                  checkpointing=False)
+        estimate = predict_memory(model, longest_planned(train_set, [[0, 1], [2]], collate_padded, chat_loss),
+                                  torch.device("cpu"), 1, checkpointing=False)
         return estimate, weights_alive(torch.device("cpu")), cut and cut.full
 
     (first, in_first, full), (first_two, in_first_two, _) = counted(1), counted(2)

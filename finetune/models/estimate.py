@@ -5,6 +5,7 @@ extrapolated."""
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import itertools
 import math
@@ -18,11 +19,28 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from finetune.data.batching import padded_tokens
 from finetune.models.memory import checkpoint_activations
+from finetune.task import CountedBatch
 
-__all__ = ["MemoryEstimate", "extrapolated", "kept_for_backward", "predict_memory", "weights_alive"]
+__all__ = ["MemoryEstimate", "extrapolated", "kept_for_backward", "longest_planned", "note_logits", "predict_memory",
+           "weights_alive"]
 
 COUNTED_TOKENS = 2048
 """The longest micro-batch counted as it is; a longer one is counted at about a half and a quarter of this."""
+TENSORS_OF_A_LOGITS_CHUNK = 3
+"""What a chunk of logits recomputed in the backward pass holds at its peak, in float32 tensors of its size: the
+log-probabilities its recompute keeps for the loss, their gradient, and the logits' gradient."""
+
+_noted_logits: contextvars.ContextVar[list[tuple[int, int, int]] | None] = contextvars.ContextVar(
+    "noted_logits", default=None)
+
+
+def note_logits(positions: int, per_chunk: int, vocabulary: int) -> None:
+    """Said by an output layer that computes the float32 logits of ``positions`` positions ``per_chunk`` at a time,
+    each chunk recomputed in the backward pass (the chat recipes'): the count of what the backward pass keeps cannot
+    see them, since none is kept."""
+    noted = _noted_logits.get()
+    if noted is not None:
+        noted.append((positions, per_chunk, vocabulary))
 
 
 def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module) -> int:
@@ -75,10 +93,13 @@ class MemoryEstimate:
     device: str
     not_counted: str = ""
     """Why the activations are not counted, where they are not."""
+    logits: int = 0
+    """The output layer's logits at their backward's peak, where it computes them a chunk at a time
+    (``note_logits``)."""
 
     @property
     def peak(self) -> int:
-        return self.in_use + self.gradients + self.optimizer + (self.activations or 0)
+        return self.in_use + self.gradients + self.optimizer + self.logits + (self.activations or 0)
 
     def line(self) -> str:
         activations = (f"activations not counted ({self.not_counted})" if self.activations is None
@@ -86,9 +107,10 @@ class MemoryEstimate:
                             + ("the architecture cannot recompute its layers" if self.other_way is None else
                                f"{_size(self.other_way)} {'without' if self.checkpointing else 'with'} "
                                "--gradient_checkpointing") + ")")
+        logits = f", {_size(self.logits)} for the output layer's chunk of logits" if self.logits else ""
         return (f"memory per process, predicted peak {_size(self.peak)}: {_size(self.in_use)} in use at the start "
                 f"(libraries, data, weights), {_size(self.gradients)} gradients, {_size(self.optimizer)} optimizer "
-                f"states, {activations}; this {self.device} has {_size(self.capacity)} for it")
+                f"states, {activations}{logits}; this {self.device} has {_size(self.capacity)} for it")
 
     def needs_recompute(self) -> bool:
         """Whether a run that leaves --gradient_checkpointing unset should recompute its layers: where keeping every
@@ -97,7 +119,7 @@ class MemoryEstimate:
         activation kept: 12.1 GiB resident under glibc's defaults, 6.6 GiB in use)."""
         if self.checkpointing or self.activations is None or self.other_way is None:
             return False
-        return self.in_use + self.gradients + self.optimizer + 2 * self.activations > self.capacity
+        return self.in_use + self.gradients + self.optimizer + self.logits + 2 * self.activations > self.capacity
 
     def recomputed(self) -> MemoryEstimate:
         """This estimate with the layers recomputed."""
@@ -159,46 +181,60 @@ def _size(size: int) -> str:
     return f"{size / 2**20:.0f} MiB" if size < 2**30 else f"{size / 2**30:.1f} GiB"
 
 
-def predict_memory(model: torch.nn.Module, loss: Callable, collate: Callable, train_set,
-                   micro_batches: Iterable[list[int]] | None, device: torch.device, local_processes: int,
+def longest_planned(train_set, micro_batches: Iterable[list[int]], collate: Callable, loss: Callable
+                    ) -> CountedBatch:
+    """The longest of ``micro_batches`` (lists of ``train_set`` indices: a process's plan of an epoch), in rows
+    times its longest row."""
+    lengths = train_set.lengths
+    longest = max(micro_batches, key=lambda batch: len(batch) * int(lengths[list(batch)].max()))
+    return CountedBatch([train_set[i] for i in longest], collate, loss,
+                        tokens=f"{len(longest)} x {int(lengths[list(longest)].max())}")
+
+
+def predict_memory(model: torch.nn.Module, counted: CountedBatch | None, device: torch.device, local_processes: int,
                    checkpointing: bool, not_counted: str = "") -> MemoryEstimate:
-    """The peak of a process training ``model`` (unwrapped, on ``device``) on ``micro_batches`` (this process's
-    plan of an epoch: lists of ``train_set`` indices; None, saying why in ``not_counted``, where the activations
-    cannot be counted) with ``loss(model, batch)``, its activations counted both ways, with and without recomputed
-    layers (``_longest_kept``); the random state and the model's mode and layers are left as they were."""
+    """The peak of a process training ``model`` (unwrapped, on ``device``) whose largest micro-batch is
+    ``counted`` (None, saying why in ``not_counted``, where the activations cannot be counted), its activations
+    counted both ways, with and without recomputed layers (``_longest_kept``); the random state and the model's
+    mode and layers are left as they were."""
     in_use = _in_use(device)  # before the count, whose freed memory the C allocator may keep
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     activations = other_way = None
-    tokens = ""
-    if micro_batches is not None:
-        lengths = train_set.lengths
-        longest = max(micro_batches, key=lambda batch: len(batch) * int(lengths[list(batch)].max()))
-        tokens = f"{len(longest)} x {int(lengths[list(longest)].max())}"
-        kept, recomputed = _longest_kept(model, loss, collate, [train_set[i] for i in longest], device, checkpointing)
+    logits = 0
+    if counted is not None:
+        kept, recomputed, logits = _longest_kept(model, counted.loss, counted.collate, counted.rows, device,
+                                                 checkpointing)
         activations, other_way = (recomputed, kept) if checkpointing else (kept, recomputed)
     return MemoryEstimate(in_use=in_use, gradients=trained, optimizer=2 * trained, activations=activations,
-                          other_way=other_way, checkpointing=checkpointing, tokens=tokens,
+                          other_way=other_way, checkpointing=checkpointing, tokens=counted.tokens if counted else "",
                           capacity=_capacity(device, local_processes),
                           device="GPU" if device.type == "cuda" else "machine",
-                          not_counted=not_counted)
+                          not_counted=not_counted, logits=logits)
 
 
 def _longest_kept(model, loss, collate, rows: list[dict], device: torch.device, checkpointing: bool
-                  ) -> tuple[int, int | None]:
+                  ) -> tuple[int, int | None, int]:
     """What the micro-batch of ``rows`` keeps for its backward pass with every activation kept, and at the peak of
     its backward with the layers recomputed (their inputs, and one layer's activations while it is recomputed; None
-    where the architecture cannot recompute them).
+    where the architecture cannot recompute them); and its output layer's chunk of logits at their backward's peak
+    (0 where it notes none: ``note_logits``).
 
     A micro-batch of up to ``COUNTED_TOKENS`` is counted itself. A longer one is counted with each row (each of its
     token lists) cut to a fraction f of its length, at f and 2f, and fitted with ``A f + B f^2`` at f = 1: the
     attention's scores grow with the square of a row's length where the kernel keeps them (a mask on a CPU). Cut in
-    proportion, the rows keep their padding, which chooses the kernel."""
+    proportion, the rows keep their padding, which chooses the kernel; the positions given logits grow as 1 / f."""
     layers = sum(isinstance(module, GradientCheckpointingLayer) for module in model.modules()) or 1
 
-    def counted(batch: dict) -> tuple[float, float | None]:
+    def counted(batch: dict, grown: float = 1.0) -> tuple[float, float | None, int]:
         batch = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
-        kept, recomputed = _count_both_ways(model, loss, batch, device, checkpointing)
-        return kept, None if recomputed is None else recomputed + kept / layers
+        noted = _noted_logits.set([])
+        try:
+            kept, recomputed = _count_both_ways(model, loss, batch, device, checkpointing)
+            logits = max((min(math.ceil(positions * grown), per_chunk) * vocabulary * 4 * TENSORS_OF_A_LOGITS_CHUNK
+                          for positions, per_chunk, vocabulary in _noted_logits.get()), default=0)
+        finally:
+            _noted_logits.reset(noted)
+        return kept, None if recomputed is None else recomputed + kept / layers, logits
 
     def cut(fraction: float) -> dict:
         return collate([{key: value[:max(1, math.ceil(len(value) * fraction))] if isinstance(value, list) else value
@@ -206,17 +242,17 @@ def _longest_kept(model, loss, collate, rows: list[dict], device: torch.device, 
 
     whole = collate(rows)
     if padded_tokens(whole) <= COUNTED_TOKENS:
-        kept, recomputed = counted(whole)
-        return int(kept), recomputed and int(recomputed)
+        kept, recomputed, logits = counted(whole)
+        return int(kept), recomputed and int(recomputed), logits
     fraction = COUNTED_TOKENS / 2 / padded_tokens(whole)
-    first, second = counted(cut(fraction)), counted(cut(2 * fraction))
+    first, second = counted(cut(fraction)), counted(cut(2 * fraction), grown=1 / (2 * fraction))
 
     def fitted(at_f: float | None, at_2f: float | None) -> int | None:
         if at_f is None:
             return None
         squared = max(0.0, (at_2f - 2 * at_f) / 2)  # B f^2
         return int((at_f - squared) / fraction + squared / fraction**2)
-    return fitted(first[0], second[0]), fitted(first[1], second[1])
+    return fitted(first[0], second[0]), fitted(first[1], second[1]), second[2]
 
 
 def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointing: bool) -> tuple[int, int | None]:

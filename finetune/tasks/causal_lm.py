@@ -27,6 +27,7 @@ from finetune.distributed.ddp import all_reduce_max, unwrap
 from finetune.distributed.fsdp import is_sharded
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
+from finetune.models.estimate import note_logits
 from finetune.models.loading import default_chat_model_path, from_pretrained
 from finetune.models.lora import LoraArguments, add_lora, save_adapter
 from finetune.models.memory import four_bit_loading, keep_four_bit_trainable, require_bitsandbytes
@@ -302,6 +303,7 @@ def _head_log_probs(model, seen: dict, hidden: torch.Tensor, targets: torch.Tens
     size = chunk_size or max(1, LOGITS_PER_CHUNK // head.weight.shape[0])
     chunks = zip(hidden.split(size), targets.split(size), strict=True)
     if torch.is_grad_enabled():
+        note_logits(len(hidden), size, head.weight.shape[0])
         pieces = [checkpoint(log_probs_of, h, y, use_reentrant=False) for h, y in chunks]
     else:
         pieces = [log_probs_of(h, y) for h, y in chunks]

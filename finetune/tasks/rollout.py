@@ -21,9 +21,10 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from finetune.checkpointing.files import replacing
-from finetune.data.batching import GlobalBatchSampler, PlannedBatch
+from finetune.data.batching import LENGTH, GlobalBatchSampler, PlannedBatch
 from finetune.distributed.ddp import all_reduce_max, all_reduce_sum
 from finetune.distributed.fsdp import is_sharded
+from finetune.task import CountedBatch
 from finetune.tasks.causal_lm import cache_keyword, reply_log_probs
 from finetune.tasks.episodes import Episode, Episodes, score_episodes, tool_figures, tool_table
 from finetune.tasks.grpo import Advantages, completion_loss_units, group_advantages, nanstd, policy_loss
@@ -417,16 +418,43 @@ class Rollouts:
 
     def loss(self, model, batch: dict) -> torch.Tensor:
         """A rollout micro-batch's policy loss, summed over its loss units; notes its clipping and KL figures."""
-        log_probs = reply_log_probs(model, batch, temperature=self.args.temperature)
-        loss, figures = policy_loss(log_probs, batch["advantages"], batch["completion_mask"].bool(),
-                                    loss_type=self.args.loss_type,
-                                    epsilon=self.args.epsilon, epsilon_high=self.args.epsilon_high,
-                                    old_log_probs=batch.get("old_log_probs"), ref_log_probs=batch.get("ref_log_probs"),
-                                    beta=self.args.beta)
+        loss, figures = self._loss_and_figures(model, batch)
         no_kl = figures["clipped_low"].new_zeros(())  # on the loss's device: the figures are stacked there
         self._loss_figures += torch.stack([figures["clipped_low"], figures["clipped_high"], figures.get("kl", no_kl),
                                            figures["tokens"]]).double().cpu()
         return loss
+
+    def _loss_and_figures(self, model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        log_probs = reply_log_probs(model, batch, temperature=self.args.temperature)
+        return policy_loss(log_probs, batch["advantages"], batch["completion_mask"].bool(),
+                           loss_type=self.args.loss_type, epsilon=self.args.epsilon,
+                           epsilon_high=self.args.epsilon_high, old_log_probs=batch.get("old_log_probs"),
+                           ref_log_probs=batch.get("ref_log_probs"), beta=self.args.beta)
+
+    def largest_micro_batch(self) -> CountedBatch:
+        """The largest micro-batch this process can train on, for the memory prediction: its share of a window's
+        first micro-batch, each completion ``max_completion_length`` tokens after the longest prompt (an episode's
+        tool results come on top)."""
+        longest = self.prompts[int(np.argmax(self.prompts[LENGTH]))]["prompt_ids"]
+        groups = [position // self.args.num_generations for position in self._positions()[:self.per_device_batch_size]]
+        rows = [{"prompt_ids": longest, "reply_ids": [self.pad] * self.args.max_completion_length, "group": group}
+                for group in groups]
+        return CountedBatch(rows, self._counted_batch, lambda model, batch: self._loss_and_figures(model, batch)[0],
+                            tokens=f"{len(rows)} x {len(longest) + self.args.max_completion_length}")
+
+    def _counted_batch(self, rows: list[dict]) -> dict:
+        """``largest_micro_batch``'s rows as ``_micro_batches`` makes a batch (each prompt once)."""
+        runs = [(group, len(list(members))) for group, members in itertools.groupby(row["group"] for row in rows)]
+        prompts = [rows[0]["prompt_ids"]] * len(runs)
+        prompt_ids, prompt_mask = _right_padded(prompts, self.pad, len(prompts[0]))
+        reply_ids, reply_mask = _right_padded([row["reply_ids"] for row in rows], self.pad, len(rows[0]["reply_ids"]))
+        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "reply_ids": reply_ids, "reply_mask": reply_mask,
+                 "prompt_of": torch.arange(len(runs)).repeat_interleave(torch.tensor([count for _, count in runs])),
+                 "completion_mask": reply_mask, "advantages": torch.ones(len(rows))}
+        for kept, needed in (("old_log_probs", self.args.num_iterations > 1), ("ref_log_probs", self.args.beta)):
+            if needed:
+                batch[kept] = torch.zeros(reply_ids.shape)
+        return batch
 
     def _note_rollout(self, shared: dict, advantages: Advantages, generation_seconds: float,
                       reward_seconds: float, tool_seconds: float | None) -> None:
