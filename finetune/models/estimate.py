@@ -63,7 +63,9 @@ def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module) -> 
 
     layers = [module for module in model.modules()
               if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing]
-    hooks = [layer.register_forward_pre_hook(lambda module, args: count(args[0])) for layer in layers]
+    # a pass without gradients (a live reference's) holds no input for a recompute
+    hooks = [layer.register_forward_pre_hook(lambda module, args: count(args[0]) if torch.is_grad_enabled() else None)
+             for layer in layers]
     try:
         with torch.autograd.graph.saved_tensors_hooks(count, lambda nothing: nothing):
             forward()
