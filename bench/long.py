@@ -396,7 +396,7 @@ def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Pat
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
         model = str(random_llama(model_size, scratch / f"llama-{model_size}")) if model_size else None
-        model = str(endless_model(scratch / "endless")) if recipe == "grpo" else None
+        model = str(endless_model(scratch / "endless")) if recipe == "grpo" else model
         data = {tokens: write_rows(scratch, tokens, recipe) for tokens in lengths}
         for repeat in range(repeats):
             for tokens in lengths:

@@ -40,7 +40,7 @@ from finetune.tasks.grpo import (
     group_advantages,
     policy_loss,
 )
-from finetune.tasks.rollout import RolloutSampler, sample_completions
+from finetune.tasks.rollout import RolloutSampler, sample_completions, widest_micro_batch
 
 NAN = math.nan
 
@@ -280,6 +280,19 @@ STOPS = [2, 2716, 4201, 13504]
 lengths."""
 
 
+def test_sampling_keeps_no_logits_of_the_prompt(chat_tokenizer):
+    """The prompt's run before the first sampled token needs its KV cache only: a logit for each of its tokens and
+    each vocabulary entry would be the largest tensor of the sampling (0.8 GB for a 4k-token prompt of SmolLM2)."""
+    from test_memory import LiveBytes
+
+    model = tiny_llama(chat_tokenizer)
+    prompt = chat_tokenizer.encode("tell me about the order " * 80)
+    with LiveBytes() as live:
+        sample_completions(model, [prompt], [2], [1, 2], max_new_tokens=4, temperature=1.0, top_p=1.0, pad_token_id=2)
+    one_copy_of_its_logits = len(prompt) * model.config.vocab_size * 4
+    assert live.peak < one_copy_of_its_logits / 4
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_turn_run_on_from_its_kept_cache_samples_what_the_whole_context_run_again_samples(chat_tokenizer,
                                                                                            temperature):
@@ -514,6 +527,13 @@ def test_prepare_only_predicts_on_two_cut_models_with_one_pool_of_reward_workers
                     "--prepare_only")
     assert "activations of the longest micro-batch (16 x " in result.stdout
     assert len(started) == 1 and closed and set(closed) == set(started) and not out.exists()
+
+
+def test_the_micro_batch_counted_for_memory_is_the_one_spanning_the_most_prompts():
+    # 3 completions a prompt, micro-batches of 2, 3 of them a step on one process: groups [0, 0], [0, 1], [1, 1]
+    assert widest_micro_batch(list(range(6)), 2, 3) == [0, 1]
+    # two processes, micro-batches of 3, 4 a prompt: this rank's completions 1, 3, 5 then 7, 9, 11 ...
+    assert widest_micro_batch([1, 3, 5, 7, 9, 11], 3, 4) == [0, 0, 1]
 
 
 @pytest.mark.parametrize("checkpointing", ["--gradient_checkpointing", "--no_gradient_checkpointing"])

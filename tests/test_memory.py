@@ -19,6 +19,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from finetune.data.batching import TokenizedDataset
 from finetune.errors import UserError
+from finetune.models import estimate as estimate_module
 from finetune.models.estimate import (
     MemoryEstimate,
     extrapolated,
@@ -160,31 +161,39 @@ class LiveBytes(TorchDispatchMode):
         self.alive.discard(address)
 
 
-@pytest.mark.parametrize("per_chunk", [None, 16], ids=["the-batch-bounds-it", "the-chunk-limit-bounds-it"])
-def test_the_output_layer_s_chunk_of_logits_is_predicted_as_its_backward_holds_it(per_chunk, monkeypatch):
+@pytest.mark.parametrize(("per_chunk", "autocast", "counted_tokens"), [
+    (None, False, None), (16, False, None), (None, True, None), (None, False, 64),
+], ids=["the-batch-bounds-it", "the-chunk-limit-bounds-it", "bf16-autocast-casts-the-head", "counted-cut-short"])
+def test_the_output_layer_s_chunk_of_logits_is_predicted_as_its_backward_holds_it(per_chunk, autocast, counted_tokens,
+                                                                                 monkeypatch):
     """The chat recipes' output layer computes its logits a chunk at a time and recomputes each in the backward
     pass, so the count of what is kept never sees one: the prediction adds a chunk at its backward's peak, as
-    measured (every tensor torch makes, alive until freed), the chunk as long as the batch's labelled positions or
-    as the chunk limit allows."""
+    measured (every tensor torch makes, alive until freed): the chunk as long as the batch's labelled positions or
+    the chunk limit allow, plus the head's weight cast again for each chunk under autocast; counted on rows cut
+    short (their labels at their ends, as a reply's), the same."""
     model = adapted(0.0).eval()  # the output layer frozen, as with LoRA
     vocabulary = model.get_output_embeddings().weight.shape[0]
     if per_chunk:
         monkeypatch.setattr(causal_lm, "LOGITS_PER_CHUNK", per_chunk * vocabulary)
+    if counted_tokens:
+        monkeypatch.setattr(estimate_module, "COUNTED_TOKENS", counted_tokens)
     generator = torch.Generator().manual_seed(0)
     rows = {"input_ids": [torch.randint(1, 500, (n,), generator=generator).tolist() for n in (60, 80)]}
-    rows["labels"] = [[IGNORE] * 10 + ids[10:] for ids in rows["input_ids"]]
+    rows["labels"] = [[IGNORE] * (len(ids) - 30) + ids[-30:] for ids in rows["input_ids"]]
     train_set = TokenizedDataset.from_dict(rows)
     labelled = int((collate_padded([train_set[0], train_set[1]])["labels"][:, 1:] != IGNORE).sum())
-    estimate = predict_memory(model, longest_planned(train_set, [[0, 1]], collate_padded, chat_loss),
-                              torch.device("cpu"), 1, checkpointing=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        estimate = predict_memory(model, longest_planned(train_set, [[0, 1]], collate_padded, chat_loss),
+                                  torch.device("cpu"), 1, checkpointing=False)
     chunk = min(labelled, per_chunk or labelled) * vocabulary * 4
-    assert estimate.logits == 3 * chunk and f"{estimate.logits / 2**20:.0f} MiB for the output layer's chunk" in (
-        estimate.line())
+    cast = model.get_output_embeddings().weight.numel() * 2 if autocast else 0
+    assert estimate.logits == pytest.approx(3 * chunk + cast, rel=0.05 if counted_tokens else 0)
+    assert f"{estimate.logits / 2**20:.0f} MiB for the output layer's chunk" in estimate.line()
 
     hidden = torch.randn(labelled, model.config.hidden_size, requires_grad=True)
     targets = torch.randint(0, vocabulary, (labelled,), generator=generator)
     with LiveBytes() as live:
-        log_probs = causal_lm._head_log_probs(model, {"autocast": ("cpu", torch.bfloat16, False)}, hidden, targets)
+        log_probs = causal_lm._head_log_probs(model, {"autocast": ("cpu", torch.bfloat16, autocast)}, hidden, targets)
         live.peak = before = live.now
         log_probs.sum().backward()
     assert live.peak - before - hidden.grad.nbytes == pytest.approx(estimate.logits, rel=0.05)
@@ -282,3 +291,30 @@ def test_a_pass_without_gradients_through_recomputed_layers_counts_nothing():
         return policy()
 
     assert kept_for_backward(reference_then_policy, model) == kept_for_backward(policy, model) > 0
+
+
+def test_the_recomputed_layer_is_counted_on_the_path_the_loss_takes_with_recomputed_layers():
+    """GRPO's loss runs each prompt once for its completions, but each completion as a row with its prompt where the
+    layers are recomputed: the layer being recomputed holds what the rows keep, not what the shared prompt does."""
+    from finetune.task import CountedBatch
+    from finetune.tasks.causal_lm import reply_log_probs
+
+    model = adapted(0.0)
+    prompt, replies = list(range(1, 81)), [[7 + i] * 8 for i in range(4)]
+
+    def collate(rows: list[dict], shared: bool = True) -> dict:
+        prompts = [rows[0]["prompt_ids"]] * (1 if shared else len(rows))
+        reply_ids = torch.tensor([row["reply_ids"] for row in rows])
+        return {"prompt_ids": torch.tensor(prompts), "prompt_mask": torch.ones_like(torch.tensor(prompts)),
+                "reply_ids": reply_ids, "reply_mask": torch.ones_like(reply_ids),
+                "prompt_of": torch.zeros(len(rows), dtype=torch.long) if shared else torch.arange(len(rows))}
+
+    def loss(model, batch):
+        return -reply_log_probs(model, batch).sum()
+
+    rows = [{"prompt_ids": prompt, "reply_ids": reply} for reply in replies]
+    estimate = predict_memory(model, CountedBatch(rows, collate, loss, "4 x 88"), torch.device("cpu"), 1, True)
+    plain = adapted(0.0)  # every activation kept: each of its 2 layers keeps about half
+    each_a_row = kept_for_backward(lambda: loss(plain, collate(rows, shared=False)), plain) / 2
+    shared = kept_for_backward(lambda: loss(plain, collate(rows)), plain) / 2
+    assert estimate.one_layer == pytest.approx(each_a_row, rel=0.2) and shared < 0.5 * each_a_row

@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -30,17 +31,18 @@ TENSORS_OF_A_LOGITS_CHUNK = 3
 """What a chunk of logits recomputed in the backward pass holds at its peak, in float32 tensors of its size: the
 log-probabilities its recompute keeps for the loss, their gradient, and the logits' gradient."""
 
-_noted_logits: contextvars.ContextVar[list[tuple[int, int, int]] | None] = contextvars.ContextVar(
+_noted_logits: contextvars.ContextVar[list[tuple[int, int, int, int]] | None] = contextvars.ContextVar(
     "noted_logits", default=None)
 
 
-def note_logits(positions: int, per_chunk: int, vocabulary: int) -> None:
+def note_logits(positions: int, per_chunk: int, vocabulary: int, cast_weight: int = 0) -> None:
     """Said by an output layer that computes the float32 logits of ``positions`` positions ``per_chunk`` at a time,
     each chunk recomputed in the backward pass (the chat recipes'): the count of what the backward pass keeps cannot
-    see them, since none is kept."""
+    see them, since none is kept. ``cast_weight``: the bytes of its weight cast for autocast, which each chunk's
+    recompute casts again and holds through its backward."""
     noted = _noted_logits.get()
     if noted is not None:
-        noted.append((positions, per_chunk, vocabulary))
+        noted.append((positions, per_chunk, vocabulary, cast_weight))
 
 
 def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module) -> int:
@@ -98,6 +100,8 @@ class MemoryEstimate:
     logits: int = 0
     """The output layer's logits at their backward's peak, where it computes them a chunk at a time
     (``note_logits``)."""
+    one_layer: int = 0
+    """With the layers recomputed, what the one being recomputed holds besides its input (in those activations)."""
 
     @property
     def peak(self) -> int:
@@ -155,16 +159,16 @@ def extrapolated(first: MemoryEstimate, first_two: MemoryEstimate, weights: tupl
         def kept(estimate: MemoryEstimate) -> int:
             return estimate.other_way if estimate.checkpointing else estimate.activations
 
-        def recomputed(estimate: MemoryEstimate, of: int) -> int | None:  # less the one recomputed layer's share
+        def inputs(estimate: MemoryEstimate) -> int | None:  # recomputed, less the one recomputed layer's own
             value = estimate.activations if estimate.checkpointing else estimate.other_way
-            return None if value is None else value - kept(estimate) // of
+            return None if value is None else value - estimate.one_layer
 
         all_kept = grown(kept(first), kept(first_two))
-        inputs = (None if recomputed(first, 1) is None else
-                  grown(recomputed(first, 1), recomputed(first_two, 2)) + all_kept // layers)
-        activations, other_way = (inputs, all_kept) if first.checkpointing else (all_kept, inputs)
+        recomputed = (None if inputs(first) is None else
+                      grown(inputs(first), inputs(first_two)) + first_two.one_layer)
+        activations, other_way = (recomputed, all_kept) if first.checkpointing else (all_kept, recomputed)
     return replace(first, in_use=first.in_use + grown(*weights) - weights[0], gradients=trained,
-                   optimizer=2 * trained, activations=activations, other_way=other_way)
+                   optimizer=2 * trained, activations=activations, other_way=other_way, one_layer=first_two.one_layer)
 
 
 def weights_alive(device: torch.device) -> int:
@@ -202,76 +206,98 @@ def predict_memory(model: torch.nn.Module, counted: CountedBatch | None, device:
     in_use = _in_use(device)  # before the count, whose freed memory the C allocator may keep
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     activations = other_way = None
-    logits = 0
+    count = _Count(0, None, 0, 0)
     if counted is not None:
-        kept, recomputed, logits = _longest_kept(model, counted.loss, counted.collate, counted.rows, device,
-                                                 checkpointing)
-        activations, other_way = (recomputed, kept) if checkpointing else (kept, recomputed)
+        count = _longest_kept(model, counted.loss, counted.collate, counted.rows, device, checkpointing)
+        recomputed = None if count.recomputed is None else count.recomputed + count.one_layer
+        activations, other_way = (recomputed, count.kept) if checkpointing else (count.kept, recomputed)
     return MemoryEstimate(in_use=in_use, gradients=trained, optimizer=2 * trained, activations=activations,
                           other_way=other_way, checkpointing=checkpointing, tokens=counted.tokens if counted else "",
                           capacity=_capacity(device, local_processes),
                           device="GPU" if device.type == "cuda" else "machine",
-                          not_counted=not_counted, logits=logits)
+                          not_counted=not_counted, logits=count.logits, one_layer=count.one_layer)
 
 
-def _longest_kept(model, loss, collate, rows: list[dict], device: torch.device, checkpointing: bool
-                  ) -> tuple[int, int | None, int]:
-    """What the micro-batch of ``rows`` keeps for its backward pass with every activation kept, and at the peak of
-    its backward with the layers recomputed (their inputs, and one layer's activations while it is recomputed; None
-    where the architecture cannot recompute them); and its output layer's chunk of logits at their backward's peak
-    (0 where it notes none: ``note_logits``).
+class _Count(NamedTuple):
+    kept: int
+    """What the backward pass keeps with every activation kept."""
+    recomputed: int | None
+    """With the layers recomputed, at the peak of the backward: their inputs, and what the forward keeps outside
+    them (None where the architecture cannot recompute them)."""
+    one_layer: int
+    """What the layer being recomputed holds besides its input (0 where none can be)."""
+    logits: int
+    """The output layer's chunk of logits at their backward's peak (0 where it notes none: ``note_logits``)."""
+
+
+def _longest_kept(model, loss, collate, rows: list[dict], device: torch.device, checkpointing: bool) -> _Count:
+    """What the micro-batch of ``rows`` keeps for its backward pass, counted both ways (``_count_both_ways``), and
+    its output layer's chunk of logits at their backward's peak.
 
     A micro-batch of up to ``COUNTED_TOKENS`` is counted itself. A longer one is counted with each row (each of its
     token lists) cut to a fraction f of its length, at f and 2f, and fitted with ``A f + B f^2`` at f = 1: the
     attention's scores grow with the square of a row's length where the kernel keeps them (a mask on a CPU). Cut in
-    proportion, the rows keep their padding, which chooses the kernel; the positions given logits grow as 1 / f."""
-    layers = sum(isinstance(module, GradientCheckpointingLayer) for module in model.modules()) or 1
-
-    def counted(batch: dict, grown: float = 1.0) -> tuple[float, float | None, int]:
+    proportion, the rows keep their padding, which chooses the kernel; cut to evenly spaced tokens, they keep their
+    share of labelled positions, whose logits grow as 1 / f."""
+    def counted(batch: dict, grown: float = 1.0) -> _Count:
         batch = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
         noted = _noted_logits.set([])
         try:
-            kept, recomputed = _count_both_ways(model, loss, batch, device, checkpointing)
+            kept, recomputed, one_layer = _count_both_ways(model, loss, batch, device, checkpointing)
             logits = max((min(math.ceil(positions * grown), per_chunk) * vocabulary * 4 * TENSORS_OF_A_LOGITS_CHUNK
-                          for positions, per_chunk, vocabulary in _noted_logits.get()), default=0)
+                          + cast_weight for positions, per_chunk, vocabulary, cast_weight in _noted_logits.get()),
+                         default=0)
         finally:
             _noted_logits.reset(noted)
-        return kept, None if recomputed is None else recomputed + kept / layers, logits
+        return _Count(kept, recomputed, one_layer, logits)
 
-    def cut(fraction: float) -> dict:
-        return collate([{key: value[:max(1, math.ceil(len(value) * fraction))] if isinstance(value, list) else value
-                         for key, value in row.items()} for row in rows])
+    def cut(fraction: float) -> dict:  # evenly spaced tokens: labelled ones (a chat row's last) keep their share
+        return collate([{key: [value[int(i / fraction)] for i in range(max(1, math.ceil(len(value) * fraction)))]
+                         if isinstance(value, list) else value for key, value in row.items()} for row in rows])
 
     whole = collate(rows)
     if padded_tokens(whole) <= COUNTED_TOKENS:
-        kept, recomputed, logits = counted(whole)
-        return int(kept), recomputed and int(recomputed), logits
+        return counted(whole)
     fraction = COUNTED_TOKENS / 2 / padded_tokens(whole)
     first, second = counted(cut(fraction)), counted(cut(2 * fraction), grown=1 / (2 * fraction))
 
-    def fitted(at_f: float | None, at_2f: float | None) -> int | None:
+    def fitted(at_f: int | None, at_2f: int | None) -> int | None:
         if at_f is None:
             return None
         squared = max(0.0, (at_2f - 2 * at_f) / 2)  # B f^2
         return int((at_f - squared) / fraction + squared / fraction**2)
-    return fitted(first[0], second[0]), fitted(first[1], second[1]), second[2]
+    return _Count(fitted(first.kept, second.kept), fitted(first.recomputed, second.recomputed),
+                  fitted(first.one_layer, second.one_layer), second.logits)
 
 
-def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointing: bool) -> tuple[int, int | None]:
-    """What one training forward of ``batch`` keeps with every activation kept, and with the layers recomputed
-    (None where the architecture cannot recompute them); the model is left as it was."""
+def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointing: bool
+                     ) -> tuple[int, int | None, int]:
+    """What one training forward of ``batch`` keeps with every activation kept; with the layers recomputed (None
+    where the architecture cannot recompute them); and what the last layer holds besides its input while it is
+    recomputed, counted as that one layer keeping its activations (where a task's loss takes another path with
+    recomputed layers, GRPO's completions each a row with its prompt, so does the count). The model is left as it
+    was."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     recomputable = getattr(base, "supports_gradient_checkpointing", False)
     training = model.training
     counts: dict[bool, int | None] = {True: None}
+    one_layer = 0
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model.train()
         for recompute in (False, True) if recomputable else (False,):
             _recompute_layers(model, base, recompute)
             counts[recompute] = kept_for_backward(lambda: loss(model, dict(batch)), model)
+        if recomputable:
+            last = [module for module in model.modules()
+                    if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing][-1]
+            last.gradient_checkpointing = False
+            try:
+                one_layer = kept_for_backward(lambda: loss(model, dict(batch)), model) - counts[True]
+            finally:
+                last.gradient_checkpointing = True
         _recompute_layers(model, base, checkpointing)
     model.train(training)
-    return counts[False], counts[True]
+    return counts[False], counts[True], one_layer
 
 
 def _recompute_layers(model, base, on: bool) -> None:

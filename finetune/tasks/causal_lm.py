@@ -303,7 +303,8 @@ def _head_log_probs(model, seen: dict, hidden: torch.Tensor, targets: torch.Tens
     size = chunk_size or max(1, LOGITS_PER_CHUNK // head.weight.shape[0])
     chunks = zip(hidden.split(size), targets.split(size), strict=True)
     if torch.is_grad_enabled():
-        note_logits(len(hidden), size, head.weight.shape[0])
+        recast = autocast and head.weight.dtype != dtype  # in each chunk's recompute, outside the forward's cast cache
+        note_logits(len(hidden), size, head.weight.shape[0], head.weight.numel() * dtype.itemsize if recast else 0)
         pieces = [checkpoint(log_probs_of, h, y, use_reentrant=False) for h, y in chunks]
     else:
         pieces = [log_probs_of(h, y) for h, y in chunks]

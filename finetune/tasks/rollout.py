@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import itertools
 import json
 import time
@@ -135,7 +136,10 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
     stops = torch.tensor(model.generation_config.eos_token_id, device=device).view(-1)
     positions = torch.tensor(held, device=device)[:, None] + (mask.cumsum(1) - 1).clamp(min=0)
     keyword = cache_keyword(model)
-    cached = {} if past is None else {keyword: past.cache}
+    prefill = {} if past is None else {keyword: past.cache}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "logits_to_keep" in inspect.signature(base.forward).parameters:  # of each prompt token, none is sampled
+        prefill["logits_to_keep"] = 1
     attention = mask if past is None else torch.cat([past.attention, mask], 1)
     sharded = is_sharded(model)
     training = model.training
@@ -144,7 +148,7 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
         with torch.no_grad():
             # The new tokens but the last, once for each prompt; the last token is the first input of the loop.
             cache = getattr(model(input_ids=ids[:, :-1], attention_mask=attention[:, :-1], use_cache=True,
-                                  position_ids=positions[:, :-1], **cached), keyword)
+                                  position_ids=positions[:, :-1], **prefill), keyword)
             if any(count != 1 for count in counts):
                 cache.reorder_cache(rows)
             tokens, attention, positions = ids[rows, -1:], attention[rows], positions[rows, -1:]
@@ -181,6 +185,15 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
     sampled = torch.arange(attention.shape[1], device=device)[None] - first
     attention[sampled >= lengths[:, None]] = 0
     return completions, KeptCache.of(cache, attention)
+
+
+def widest_micro_batch(positions: list[int], per_device_batch_size: int, num_generations: int) -> list[int]:
+    """The prompt groups of the completions at ``positions`` (a process's, micro-batch after micro-batch) in the
+    micro-batch that spans the most groups: each group's prompt runs in it."""
+    micro_batches = [positions[start:start + per_device_batch_size]
+                     for start in range(0, len(positions), per_device_batch_size)]
+    return max(([position // num_generations for position in batch] for batch in micro_batches),
+               key=lambda groups: len(set(groups)))
 
 
 def greedy_sampling(pad_token_id: int):
@@ -432,11 +445,11 @@ class Rollouts:
                            ref_log_probs=batch.get("ref_log_probs"), beta=self.args.beta)
 
     def largest_micro_batch(self) -> CountedBatch:
-        """The largest micro-batch this process can train on, for the memory prediction: its share of a window's
-        first micro-batch, each completion ``max_completion_length`` tokens after the longest prompt (an episode's
-        tool results come on top)."""
+        """The largest micro-batch this process can train on, for the memory prediction: its share of the
+        micro-batch of a window that spans the most prompts, each completion ``max_completion_length`` tokens after
+        the longest prompt (an episode's tool results come on top)."""
         longest = self.prompts[int(np.argmax(self.prompts[LENGTH]))]["prompt_ids"]
-        groups = [position // self.args.num_generations for position in self._positions()[:self.per_device_batch_size]]
+        groups = widest_micro_batch(self._positions(), self.per_device_batch_size, self.args.num_generations)
         rows = [{"prompt_ids": longest, "reply_ids": [self.pad] * self.args.max_completion_length, "group": group}
                 for group in groups]
         return CountedBatch(rows, self._counted_batch, lambda model, batch: self._loss_and_figures(model, batch)[0],
