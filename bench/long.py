@@ -67,7 +67,6 @@ import argparse
 import itertools
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -279,9 +278,8 @@ def run(config: str, train: Path, validation: Path, tokens: int, scratch: Path, 
         peak = next((rate for key, rate in GPU_BF16_PEAK.items() if key in torch.cuda.get_device_name()), None)
         flops = flops_per_token(model or default_chat_model_path(), config.endswith("_full"), real_tokens)
         figures["model_flops_utilisation"] = round(flops * real_tokens / seconds / peak, 4) if peak else None
-    predicted = re.search(r"predicted peak ([\d.]+) (MiB|GiB)", result.stdout)  # the recipe's start-up estimate
-    if predicted:
-        figures["predicted_peak_mib"] = round(float(predicted[1]) * (1024 if predicted[2] == "GiB" else 1))
+    if report["predicted_peak_mib"] is not None:  # the recipe's start-up estimate
+        figures["predicted_peak_mib"] = round(report["predicted_peak_mib"])
     return figures
 
 
@@ -298,10 +296,10 @@ def predict_again(results_file: Path, recipe: str) -> None:
             train, validation = write_rows(scratch, tokens, recipe)
             result = subprocess.run([*command("finetune", train, validation, tokens, scratch / "out", model, recipe),
                                      "--prepare_only"], cwd=REPO, capture_output=True, text=True,
-                                    env={**os.environ, "OMP_NUM_THREADS": "2", "BENCH_REPORT_DIR": str(scratch)})
-            predicted = re.search(r"predicted peak ([\d.]+) (MiB|GiB)", result.stdout)
-            assert predicted, result.stdout[-2000:] + result.stderr[-2000:]
-            mib = round(float(predicted[1]) * (1024 if predicted[2] == "GiB" else 1))
+                                    env={**os.environ, "OMP_NUM_THREADS": "2", "BENCH_REPORT_DIR": str(scratch),
+                                         "BENCH_LAUNCHED_AT": repr(time.time())})
+            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+            mib = round(json.loads((scratch / "rank0.json").read_text())["predicted_peak_mib"])
             measured = figures["medians"]["finetune"][peak_key(results)]
             entry = {"predicted_peak_mib": mib, "vs_measured": round(mib / measured, 3), "commit": commit.strip(),
                      "date": time.strftime("%Y-%m-%d")}

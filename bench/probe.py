@@ -12,6 +12,7 @@ The recipe runs unchanged; the hooks only observe. Every process writes ``rank<R
   was built, in order,
 - how many gradient all-reduces DDP launched by the end of each optimizer step (a counting comm hook),
 - the process's peak resident memory, and on CUDA the peak of memory allocated on the GPU,
+- the peak the recipe's start-up line predicted, unrounded,
 - the bytes of the weights that train, their gradients and the optimizer's state that this process holds at its
   first optimizer step (its own shards only, under FSDP),
 - for reinforcement learning, when each call that samples completions or scores them began and ended; the
@@ -40,6 +41,7 @@ _all_reduces = [0]
 _all_reduces_at_step: list[int] = []
 _state_bytes: dict[str, int] = {}
 _phases: list[tuple[str, float, float]] = []
+_predicted_peaks: list[int] = []
 
 
 def record_batch(batch: dict, num_real: int, rows_per_example: int = 1) -> None:
@@ -139,6 +141,7 @@ def _write_report() -> None:
         "threads": torch.get_num_threads(),
         "state_bytes": _state_bytes,
         "phases": _phases,
+        "predicted_peak_mib": _predicted_peaks[-1] / 2**20 if _predicted_peaks else None,
     }
     path = os.path.join(os.environ["BENCH_REPORT_DIR"], f"rank{report['rank']}.json")
     with open(path, "w") as f:
@@ -206,6 +209,18 @@ def _count_recipe_batches() -> None:
     PromptRepliesCollator.__call__ = counting(PromptRepliesCollator.__call__, rows_per_example=2)
 
 
+def _note_predicted_peak() -> None:
+    """The peak the recipe's start-up line predicts (``finetune.models.estimate``), in bytes, not as printed."""
+    from finetune import startup
+
+    printed = startup._print_estimate
+
+    def noted(runtime, estimate):
+        _predicted_peaks.append(estimate.peak)
+        printed(runtime, estimate)
+    startup._print_estimate = noted
+
+
 def _time_recipe_rollouts() -> None:
     """The GRPO recipe's sampling of its training completions (with tools, whole episodes: every turn's sampling
     and the tool calls between, as TRL's ``_generate`` holds its tool loop) and scoring."""
@@ -220,6 +235,7 @@ if __name__ == "__main__":
     install()
     _count_recipe_batches()
     _time_recipe_rollouts()
+    _note_predicted_peak()
     script, sys.argv = sys.argv[1], sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
