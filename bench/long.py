@@ -294,6 +294,7 @@ def predict_again(results_file: Path, recipe: str) -> None:
         model = str(endless_model(scratch / "endless")) if recipe == "grpo" else None
         for tokens, figures in lengths_measured(results).items():
             train, validation = write_rows(scratch, tokens, recipe)
+            (scratch / "rank0.json").unlink(missing_ok=True)  # the last length's
             result = subprocess.run([*command("finetune", train, validation, tokens, scratch / "out", model, recipe),
                                      "--prepare_only"], cwd=REPO, capture_output=True, text=True,
                                     env={**os.environ, "OMP_NUM_THREADS": "2", "BENCH_REPORT_DIR": str(scratch),

@@ -14,7 +14,7 @@ from test_lora import adapted
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from finetune.data.batching import TokenizedDataset
@@ -318,3 +318,58 @@ def test_the_recomputed_layer_is_counted_on_the_path_the_loss_takes_with_recompu
     each_a_row = kept_for_backward(lambda: loss(plain, collate(rows, shared=False)), plain) / 2
     shared = kept_for_backward(lambda: loss(plain, collate(rows)), plain) / 2
     assert estimate.one_layer == pytest.approx(each_a_row, rel=0.2) and shared < 0.5 * each_a_row
+
+
+class OwnWayConfig(PretrainedConfig):
+    model_type = "recomputes-its-own-way"
+
+    def __init__(self, num_hidden_layers: int = 3, **kwargs):
+        super().__init__(**kwargs)
+        self.num_hidden_layers = num_hidden_layers
+
+
+class RecomputesItsOwnWay(PreTrainedModel):
+    """A model whose layers recompute as remote code often has them: a flag on the model and its own call of the
+    checkpoint function in its loop, no ``GradientCheckpointingLayer``."""
+
+    config_class = OwnWayConfig
+    supports_gradient_checkpointing = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(config.num_hidden_layers))
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = (self._gradient_checkpointing_func(layer.__call__, x) if self.gradient_checkpointing
+                 and self.training else layer(x)).tanh()
+        return x
+
+
+def test_a_model_that_recomputes_its_own_way_or_has_a_layer_that_never_runs_is_counted():
+    """Where no layer wrapper recomputes (the model's own loop does), each layer is taken to keep an equal share; a
+    recomputing layer the micro-batch never runs (a tower registered after the text layers) is not the one
+    counted."""
+    from finetune.task import CountedBatch
+
+    def collate(rows):
+        return {"x": torch.tensor([row["x"] for row in rows], dtype=torch.float32)}
+
+    def counted(model) -> MemoryEstimate:
+        return predict_memory(model, CountedBatch([{"x": [0.5] * 16}] * 64, collate, lambda m, b: m(**b).sum(),
+                                                  "64 x 16"), torch.device("cpu"), 1, checkpointing=False)
+
+    own_way = counted(RecomputesItsOwnWay(OwnWayConfig()))
+    assert own_way.one_layer == own_way.activations // 3 > 0
+
+    model = tiny_causal_lm()
+    alone = predict_memory(model, longest_planned(TokenizedDataset.from_dict(
+        {"input_ids": [list(range(1, 41))], "labels": [list(range(1, 41))]}), [[0]], collate_padded, chat_loss),
+        torch.device("cpu"), 1, checkpointing=False)
+    model.never_run = type(model.model.layers[0])(model.config, 0)  # registered after the text layers
+    beside = predict_memory(model, longest_planned(TokenizedDataset.from_dict(
+        {"input_ids": [list(range(1, 41))], "labels": [list(range(1, 41))]}), [[0]], collate_padded, chat_loss),
+        torch.device("cpu"), 1, checkpointing=False)
+    assert beside.one_layer == alone.one_layer > 0

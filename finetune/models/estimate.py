@@ -5,12 +5,13 @@ extrapolated."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import gc
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -286,18 +287,37 @@ def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointi
         model.train()
         for recompute in (False, True) if recomputable else (False,):
             _recompute_layers(model, base, recompute)
-            counts[recompute] = kept_for_backward(lambda: loss(model, dict(batch)), model)
-        if recomputable:
-            last = [module for module in model.modules()
-                    if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing][-1]
-            last.gradient_checkpointing = False
+            with _layers_run(model) as run:
+                counts[recompute] = kept_for_backward(lambda: loss(model, dict(batch)), model)
+        if recomputable and run:
+            run[-1].gradient_checkpointing = False
             try:
                 one_layer = kept_for_backward(lambda: loss(model, dict(batch)), model) - counts[True]
             finally:
-                last.gradient_checkpointing = True
+                run[-1].gradient_checkpointing = True
+        elif recomputable:  # its layers recompute their own way (remote code): each taken to keep an equal share
+            config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+            one_layer = counts[False] // max(1, getattr(config, "num_hidden_layers", 1) or 1)
         _recompute_layers(model, base, checkpointing)
     model.train(training)
     return counts[False], counts[True], one_layer
+
+
+@contextlib.contextmanager
+def _layers_run(model) -> Iterator[list[GradientCheckpointingLayer]]:
+    """While open, the recomputing layers that run with gradients, in order (a layer inside another left out): the
+    last of them is one a micro-batch ran (a vision tower registered after the text layers may not run)."""
+    layers = [module for module in model.modules()
+              if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing]
+    inner = {id(sub) for layer in layers for sub in layer.modules() if sub is not layer}
+    run: list[GradientCheckpointingLayer] = []
+    hooks = [layer.register_forward_pre_hook(lambda module, args: run.append(module) if torch.is_grad_enabled()
+                                             else None) for layer in layers if id(layer) not in inner]
+    try:
+        yield run
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _recompute_layers(model, base, on: bool) -> None:
