@@ -281,26 +281,31 @@ def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointi
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     recomputable = getattr(base, "supports_gradient_checkpointing", False)
     training = model.training
-    counts: dict[bool, int | None] = {True: None}
-    one_layer = 0
+    recomputed, one_layer = None, 0
+
+    def count() -> int:
+        return kept_for_backward(lambda: loss(model, dict(batch)), model)
+
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model.train()
-        for recompute in (False, True) if recomputable else (False,):
-            _recompute_layers(model, base, recompute)
+        _recompute_layers(model, base, False)
+        kept = count()
+        if recomputable:
+            _recompute_layers(model, base, True)
             with _layers_run(model) as run:
-                counts[recompute] = kept_for_backward(lambda: loss(model, dict(batch)), model)
-        if recomputable and run:
-            run[-1].gradient_checkpointing = False
-            try:
-                one_layer = kept_for_backward(lambda: loss(model, dict(batch)), model) - counts[True]
-            finally:
-                run[-1].gradient_checkpointing = True
-        elif recomputable:  # its layers recompute their own way (remote code): each taken to keep an equal share
-            config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-            one_layer = counts[False] // max(1, getattr(config, "num_hidden_layers", 1) or 1)
+                recomputed = count()
+            if run:
+                run[-1].gradient_checkpointing = False
+                try:
+                    one_layer = count() - recomputed
+                finally:
+                    run[-1].gradient_checkpointing = True
+            else:  # its layers recompute their own way (remote code): each taken to keep an equal share
+                config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+                one_layer = kept // max(1, getattr(config, "num_hidden_layers", 1) or 1)
         _recompute_layers(model, base, checkpointing)
     model.train(training)
-    return counts[False], counts[True], one_layer
+    return kept, recomputed, one_layer
 
 
 @contextlib.contextmanager

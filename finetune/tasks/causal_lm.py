@@ -417,8 +417,13 @@ def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torc
 def cache_keyword(model) -> str:
     """The name of the KV cache in the model's forward and its output: ``cache`` from transformers 5.24 on (where
     ``past_key_values`` still works, with a warning), ``past_key_values`` before."""
+    return "cache" if forward_takes(model, "cache") else "past_key_values"
+
+
+def forward_takes(model, keyword: str) -> bool:
+    """Whether the forward of ``model`` (under its adapters, where it has them) names ``keyword``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    return keyword in inspect.signature(base.forward).parameters
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import inspect
 import itertools
 import json
 import time
@@ -26,7 +25,7 @@ from finetune.data.batching import LENGTH, GlobalBatchSampler, PlannedBatch
 from finetune.distributed.ddp import all_reduce_max, all_reduce_sum
 from finetune.distributed.fsdp import is_sharded
 from finetune.task import CountedBatch
-from finetune.tasks.causal_lm import cache_keyword, reply_log_probs
+from finetune.tasks.causal_lm import cache_keyword, forward_takes, reply_log_probs
 from finetune.tasks.episodes import Episode, Episodes, score_episodes, tool_figures, tool_table
 from finetune.tasks.grpo import Advantages, completion_loss_units, group_advantages, nanstd, policy_loss
 from finetune.tasks.rewards import RewardFailures, RewardPool
@@ -137,8 +136,7 @@ def sample_completions(model, prompts: list[list[int]], counts: list[int], seeds
     positions = torch.tensor(held, device=device)[:, None] + (mask.cumsum(1) - 1).clamp(min=0)
     keyword = cache_keyword(model)
     prefill = {} if past is None else {keyword: past.cache}
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if "logits_to_keep" in inspect.signature(base.forward).parameters:  # of each prompt token, none is sampled
+    if forward_takes(model, "logits_to_keep"):  # of each prompt token, none is sampled
         prefill["logits_to_keep"] = 1
     attention = mask if past is None else torch.cat([past.attention, mask], 1)
     sharded = is_sharded(model)
@@ -206,6 +204,16 @@ def _right_padded(rows: list[list[int]], pad: int, width: int) -> tuple[torch.Te
     ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
     mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
     return ids, mask
+
+
+def _prompts_and_replies(runs: list[tuple[list[int], int]], replies: list[list[int]], pad: int, width: int) -> dict:
+    """``reply_log_probs``'s batch: a row for each run of ``(prompt, how many replies in a row are its)``, and the
+    ``replies`` right-padded to ``width``."""
+    prompts = [prompt for prompt, _ in runs]
+    prompt_ids, prompt_mask = _right_padded(prompts, pad, max(map(len, prompts)))
+    reply_ids, reply_mask = _right_padded(replies, pad, width)
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "reply_ids": reply_ids, "reply_mask": reply_mask,
+            "prompt_of": torch.arange(len(runs)).repeat_interleave(torch.tensor([count for _, count in runs]))}
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -401,18 +409,14 @@ class Rollouts:
             mine = range(m * self.per_device_batch_size, (m + 1) * self.per_device_batch_size)
             # A prompt's completions sit together (its group, or this process's part of it): one row each run.
             runs = [(prompt, len(list(group))) for prompt, group in itertools.groupby(episodes[i].prompt for i in mine)]
-            prompts = [prompt for prompt, _ in runs]
-            prompt_ids, prompt_mask = _right_padded(prompts, self.pad, max(map(len, prompts)))
-            reply_ids, reply_mask = _right_padded([episodes[i].ids for i in mine], self.pad, width)
             where = [shared["positions"][i] for i in mine]  # the rows' places in the window's global order
-            batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "reply_ids": reply_ids,
-                     "reply_mask": reply_mask, "prompt_of": torch.arange(len(runs)).repeat_interleave(
-                         torch.tensor([count for _, count in runs])),
+            batch = {**_prompts_and_replies(runs, [episodes[i].ids for i in mine], self.pad, width),
                      "completion_mask": shared["mask"][list(mine)], "advantages": advantages[where].float()}
+            tokens = (int(batch["prompt_mask"].sum() + batch["reply_mask"].sum()),
+                      batch["prompt_ids"].numel() + batch["reply_ids"].numel())
             batch = {name: value.to(device) for name, value in batch.items()}
             self._add_log_probs(model, batch)
             units = int(shared["units"][where].sum())
-            tokens = (int(prompt_mask.sum() + reply_mask.sum()), prompt_ids.numel() + reply_ids.numel())
             made.append((batch, PlannedBatch(list(share), len(mine), units, scale, share.window, tokens=tokens)))
         return made
 
@@ -457,16 +461,13 @@ class Rollouts:
 
     def _counted_batch(self, rows: list[dict]) -> dict:
         """``largest_micro_batch``'s rows as ``_micro_batches`` makes a batch (each prompt once)."""
-        runs = [(group, len(list(members))) for group, members in itertools.groupby(row["group"] for row in rows)]
-        prompts = [rows[0]["prompt_ids"]] * len(runs)
-        prompt_ids, prompt_mask = _right_padded(prompts, self.pad, len(prompts[0]))
-        reply_ids, reply_mask = _right_padded([row["reply_ids"] for row in rows], self.pad, len(rows[0]["reply_ids"]))
-        batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "reply_ids": reply_ids, "reply_mask": reply_mask,
-                 "prompt_of": torch.arange(len(runs)).repeat_interleave(torch.tensor([count for _, count in runs])),
-                 "completion_mask": reply_mask, "advantages": torch.ones(len(rows))}
+        runs = [(rows[0]["prompt_ids"], len(list(members)))
+                for _, members in itertools.groupby(row["group"] for row in rows)]
+        batch = _prompts_and_replies(runs, [row["reply_ids"] for row in rows], self.pad, len(rows[0]["reply_ids"]))
+        batch |= {"completion_mask": batch["reply_mask"], "advantages": torch.ones(len(rows))}
         for kept, needed in (("old_log_probs", self.args.num_iterations > 1), ("ref_log_probs", self.args.beta)):
             if needed:
-                batch[kept] = torch.zeros(reply_ids.shape)
+                batch[kept] = torch.zeros(batch["reply_ids"].shape)
         return batch
 
     def _note_rollout(self, shared: dict, advantages: Advantages, generation_seconds: float,
