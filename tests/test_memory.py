@@ -373,3 +373,25 @@ def test_a_model_that_recomputes_its_own_way_or_has_a_layer_that_never_runs_is_c
         {"input_ids": [list(range(1, 41))], "labels": [list(range(1, 41))]}), [[0]], collate_padded, chat_loss),
         torch.device("cpu"), 1, checkpointing=False)
     assert beside.one_layer == alone.one_layer > 0
+
+
+def test_a_loss_that_runs_the_model_once_a_column_counts_one_column_s_layer_being_recomputed():
+    """The embedding recipe's loss runs the model once for each text column; the backward pass recomputes one
+    column's layer at a time, so the layer being recomputed holds the longest column's activations, not every
+    column's."""
+    from finetune.task import CountedBatch
+
+    model = tiny_causal_lm()
+
+    def collate(rows):
+        return {f"ids_{i}": torch.tensor([row[f"ids_{i}"] for row in rows]) for i in range(len(rows[0]))}
+
+    def loss(model, batch):
+        return sum(model(input_ids=ids).logits.float().logsumexp(-1).sum() for ids in batch.values())
+
+    def one_layer(row: dict) -> int:
+        return predict_memory(model, CountedBatch([row] * 2, collate, loss, "2 x 48"), torch.device("cpu"), 1,
+                              checkpointing=True).one_layer
+
+    longest = one_layer({"ids_0": list(range(1, 49))})
+    assert 0 < one_layer({"ids_0": list(range(1, 49)), "ids_1": list(range(1, 25))}) == pytest.approx(longest, rel=0.1)

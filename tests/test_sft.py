@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -231,6 +232,47 @@ def test_unset_the_flag_recomputes_the_layers_where_the_estimate_says_every_acti
     assert "layers recomputed in the backward pass (every activation kept would not fit)" in chosen.stdout
     assert turned_on == [True]
     assert re.search(r"activations of the longest micro-batch \(\d+ x \d+ tokens; \d+ MiB without", chosen.stdout)
+    assert_same_steps(log_history(tmp_path / "chosen"), log_history(tmp_path / "kept"), rel=1e-6)
+
+
+RANK_ONE_WOULD_NOT_FIT = """\
+import os
+
+if "RANK" in os.environ:  # a training process, not the launcher
+    import finetune.startup
+    from finetune.models.estimate import MemoryEstimate
+
+    turn_on = finetune.startup.checkpoint_activations
+
+    def recording(model):
+        turn_on(model)
+        open(os.path.join(os.environ["TURNED_ON"], "rank" + os.environ["RANK"]), "w").close()
+
+    finetune.startup.checkpoint_activations = recording
+    if os.environ["RANK"] == "1":
+        MemoryEstimate.needs_recompute = lambda estimate: not estimate.checkpointing
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_where_one_process_s_estimate_would_not_fit_every_process_recomputes_its_layers(tiny_chat_model, chat_files,
+                                                                                        tmp_path):
+    """Rank 1 alone predicts that keeping every activation would not fit (a sitecustomize says so in it): rank 0,
+    whose own prediction fits, recomputes too, and the run trains as one that keeps every activation."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(RANK_ONE_WOULD_NOT_FIT)
+    (tmp_path / "turned_on").mkdir()
+    env = {"PYTHONPATH": f"{tmp_path / 'site'}:{os.environ.get('PYTHONPATH', '')}",
+           "TURNED_ON": str(tmp_path / "turned_on")}
+    flags = ["--max_train_steps", "2", "--per_device_train_batch_size", "2", "--learning_rate", "1e-2",
+             "--eval_generate", "0"]
+    chosen = run_on("sft", tiny_chat_model, chat_files, tmp_path / "chosen", *flags, launcher="torchrun",
+                    processes=2, env=env)
+    assert "layers recomputed in the backward pass (every activation kept would not fit)" in chosen.stdout
+    assert sorted(path.name for path in (tmp_path / "turned_on").iterdir()) == ["rank0", "rank1"]
+    run_on("sft", tiny_chat_model, chat_files, tmp_path / "kept", *flags, "--no_gradient_checkpointing",
+           launcher="torchrun", processes=2)
     assert_same_steps(log_history(tmp_path / "chosen"), log_history(tmp_path / "kept"), rel=1e-6)
 
 

@@ -5,13 +5,12 @@ extrapolated."""
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import gc
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -46,9 +45,10 @@ def note_logits(positions: int, per_chunk: int, vocabulary: int, cast_weight: in
         noted.append((positions, per_chunk, vocabulary, cast_weight))
 
 
-def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module) -> int:
+def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module, layer_calls: list | None = None) -> int:
     """The bytes ``forward()`` would leave kept for a backward pass: every tensor autograd saves (each storage once,
     the weights not counted), and the input of each checkpointed layer, which the recompute holds outside autograd.
+    ``layer_calls`` gets ``(layer, tokens)`` for each call of a checkpointed layer with gradients, in order.
 
     Counted, not kept: each saved tensor is dropped as it is counted, so the count needs no more memory than a
     forward pass without gradients, and its graph can run no backward pass."""
@@ -66,9 +66,13 @@ def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module) -> 
 
     layers = [module for module in model.modules()
               if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing]
-    # a pass without gradients (a live reference's) holds no input for a recompute
-    hooks = [layer.register_forward_pre_hook(lambda module, args: count(args[0]) if torch.is_grad_enabled() else None)
-             for layer in layers]
+    def before_layer(module: torch.nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled():  # a pass without gradients (a live reference's) holds no input for a recompute
+            count(args[0])
+            if layer_calls is not None:
+                layer_calls.append((module, args[0].shape[:-1].numel()))
+
+    hooks = [layer.register_forward_pre_hook(before_layer) for layer in layers]
     try:
         with torch.autograd.graph.saved_tensors_hooks(count, lambda nothing: nothing):
             forward()
@@ -276,15 +280,16 @@ def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointi
     """What one training forward of ``batch`` keeps with every activation kept; with the layers recomputed (None
     where the architecture cannot recompute them); and what the last layer holds besides its input while it is
     recomputed, counted as that one layer keeping its activations (where a task's loss takes another path with
-    recomputed layers, GRPO's completions each a row with its prompt, so does the count). The model is left as it
-    was."""
+    recomputed layers, GRPO's completions each a row with its prompt, so does the count). Where the loss runs the
+    model more than once (the embedding recipe, a pass a text column), the backward pass recomputes one pass's layer
+    at a time: the largest pass's share of the last layer's count. The model is left as it was."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     recomputable = getattr(base, "supports_gradient_checkpointing", False)
     training = model.training
     recomputed, one_layer = None, 0
 
-    def count() -> int:
-        return kept_for_backward(lambda: loss(model, dict(batch)), model)
+    def count(layer_calls: list | None = None) -> int:
+        return kept_for_backward(lambda: loss(model, dict(batch)), model, layer_calls)
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model.train()
@@ -292,14 +297,17 @@ def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointi
         kept = count()
         if recomputable:
             _recompute_layers(model, base, True)
-            with _layers_run(model) as run:
-                recomputed = count()
-            if run:
-                run[-1].gradient_checkpointing = False
+            layer_calls = []
+            recomputed = count(layer_calls)
+            outer = _outermost(layer_calls)
+            if outer:  # the last layer that ran (a tower registered after the text layers may not run)
+                last = outer[-1][0]
+                passes = [tokens for layer, tokens in outer if layer is last]
+                last.gradient_checkpointing = False
                 try:
-                    one_layer = count() - recomputed
+                    one_layer = (count() - recomputed) * max(passes) // max(1, sum(passes))
                 finally:
-                    run[-1].gradient_checkpointing = True
+                    last.gradient_checkpointing = True
             else:  # its layers recompute their own way (remote code): each taken to keep an equal share
                 config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
                 one_layer = kept // max(1, getattr(config, "num_hidden_layers", 1) or 1)
@@ -308,21 +316,11 @@ def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointi
     return kept, recomputed, one_layer
 
 
-@contextlib.contextmanager
-def _layers_run(model) -> Iterator[list[GradientCheckpointingLayer]]:
-    """While open, the recomputing layers that run with gradients, in order (a layer inside another left out): the
-    last of them is one a micro-batch ran (a vision tower registered after the text layers may not run)."""
-    layers = [module for module in model.modules()
-              if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing]
-    inner = {id(sub) for layer in layers for sub in layer.modules() if sub is not layer}
-    run: list[GradientCheckpointingLayer] = []
-    hooks = [layer.register_forward_pre_hook(lambda module, args: run.append(module) if torch.is_grad_enabled()
-                                             else None) for layer in layers if id(layer) not in inner]
-    try:
-        yield run
-    finally:
-        for hook in hooks:
-            hook.remove()
+def _outermost(layer_calls: list) -> list:
+    """The calls of layers not inside another of the layers called."""
+    layers = {id(layer): layer for layer, _ in layer_calls}
+    inner = {id(sub) for layer in layers.values() for sub in layer.modules() if sub is not layer}
+    return [(layer, tokens) for layer, tokens in layer_calls if id(layer) not in inner]
 
 
 def _recompute_layers(model, base, on: bool) -> None:
