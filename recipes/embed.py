@@ -72,6 +72,9 @@ class EmbedArguments(LoraArguments):
         self.check_lora()
         if not self.scale > 0:
             raise UserError(f"--scale {self.scale}: give a positive scale (20 is sentence-transformers' default)")
+        if self.symmetric and self.loss != "multiple_negatives_ranking":
+            raise UserError(f"--symmetric with --loss {self.loss}: only multiple_negatives_ranking scores both ways; "
+                            "leave it out")
         wanted = {"triplet": 3, "cosent": 2}.get(self.loss)
         if self.columns and (len(self.columns) != wanted if wanted else len(self.columns) < 2):
             raise UserError(f"--columns {' '.join(self.columns)}: --loss {self.loss} takes "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,26 @@ def test_the_saved_folder_is_a_sentence_transformer_that_embeds_as_the_recipe_di
     torch.testing.assert_close(predicted, theirs, rtol=0, atol=1e-6)
 
 
+def test_the_base_pooling_is_read_from_a_folder_under_home_and_from_the_hub(hub, tmp_path, monkeypatch):
+    """A sentence-transformers base named by ``~/...`` or by its Hub id keeps its pooling and normalisation (the
+    default MiniLM's: mean, normalised); a plain model and a Hub id that is no repository have none."""
+    from finetune.models.sentence_folder import base_pooling
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(default_model_path(), tmp_path / "minilm")
+    assert base_pooling("~/minilm") == Pooling("mean", True)
+    (tmp_path / "minilm" / "modules.json").unlink()
+    assert base_pooling("~/minilm") is None
+    upload_and_read = (
+        "from huggingface_hub import HfApi; from finetune.models.sentence_folder import base_pooling; "
+        f"api = HfApi(token={HUB_TOKEN!r}); api.create_repo('alice/minilm'); "
+        f"api.upload_folder(repo_id='alice/minilm', folder_path={default_model_path()!r}, "
+        "allow_patterns=['modules.json', '1_Pooling/*']); "
+        "print(base_pooling('alice/minilm'), base_pooling('alice/no-such-model'))")
+    printed = run([sys.executable, "-c", upload_and_read], env=hub.env).stdout.strip().splitlines()[-1]
+    assert printed == "Pooling(mode='mean', normalize=True) None"
+
+
 def test_scored_pairs_train_with_cosent_and_report_correlations(tiny_bert, tmp_path):
     rows = [{"sentence1": a["anchor"], "sentence2": (a if i % 2 else b)["positive"], "score": 0.9 if i % 2 else 0.1}
             for i, (a, b) in enumerate(zip(pairs(32), pairs(32, start=50), strict=True))]
@@ -237,6 +258,8 @@ def test_scored_pairs_train_with_cosent_and_report_correlations(tiny_bert, tmp_p
     ([{"sentence1": "a", "sentence2": "b", "score": 4.0}] * 4, ["--loss", "cosent"], ["'score' is 4.0", "[-1, 1]"]),
     ([{"anchor": "a", "positive": "b"}] * 4, ["--loss", "triplet"], ["triplet needs", "negative"]),
     ([{"anchor": "a", "positive": "b"}] * 4, ["--columns", "anchor"], ["takes at least 2 text columns"]),
+    ([{"sentence1": "a", "sentence2": "b", "score": 0.5}] * 4, ["--loss", "cosent", "--symmetric"],
+     ["--symmetric with --loss cosent", "multiple_negatives_ranking"]),
 ])
 def test_bad_pairs_are_refused_in_one_line_before_training(rows, flags, expected, tiny_bert, tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", rows)

@@ -1,5 +1,5 @@
-"""The sentence-transformers folder: how a base model pools and normalises its embeddings, read from its folder,
-and a trained encoder written as one that ``SentenceTransformer(path)`` loads (transformer files at the top,
+"""The sentence-transformers folder: how a base model pools and normalises its embeddings, read from its folder or
+the Hub, and a trained encoder written as one that ``SentenceTransformer(path)`` loads (transformer files at the top,
 ``modules.json`` naming the pooling and normalisation modules after it)."""
 
 from __future__ import annotations
@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+import huggingface_hub
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 
 from finetune.checkpointing.checkpoint import save_model
 
@@ -25,22 +28,35 @@ class Pooling:
     """Embeddings scaled to unit length (a ``Normalize`` module after the pooling)."""
 
 
-def base_pooling(folder: str | None) -> Pooling | None:
-    """The pooling of the sentence-transformers model in ``folder``; None for a plain model folder, a Hub id or a
-    pooling this package does not compute."""
-    if folder is None or not (Path(folder) / "modules.json").is_file():
+def base_pooling(name_or_path: str | Path | None) -> Pooling | None:
+    """The pooling of the sentence-transformers model ``name_or_path``, a folder (``~`` expanded) or a Hub id (read
+    as transformers reads the model: from the cache when offline); None for a plain model or a pooling this package
+    does not compute."""
+    if name_or_path is None:
         return None
-    modules = json.loads((Path(folder) / "modules.json").read_text())
-    pooling = next((m for m in modules if m.get("type") == _MODULE + "Pooling"), None)
-    if pooling is None:
+    modules = _json_file(name_or_path, "modules.json")
+    pooling = next((m for m in modules or [] if m.get("type") == _MODULE + "Pooling"), None)
+    config = pooling and _json_file(name_or_path, f"{pooling['path']}/config.json")
+    if not config:
         return None
-    config = json.loads((Path(folder) / pooling["path"] / "config.json").read_text())
     modes = [mode for mode, key in _MODES.items() if config.get(key)]
     others = [key for key, value in config.items() if value and key.startswith("pooling_mode")
               and key not in _MODES.values()]
     if len(modes) != 1 or others:
         return None
     return Pooling(modes[0], any(m.get("type") == _MODULE + "Normalize" for m in modules))
+
+
+def _json_file(name_or_path: str | Path, name: str):
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir():
+        path = folder / name
+    else:
+        try:
+            path = Path(huggingface_hub.hf_hub_download(str(name_or_path), name))
+        except (HfHubHTTPError, HFValidationError, OSError):  # no such repo or file; offline and not cached
+            return None
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def save_sentence_transformer(model, state_dict: dict, tokenizer, output_dir: str, pooling: Pooling,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import datasets
 import numpy as np
@@ -110,6 +110,11 @@ class GRPOArguments(ChatModelArguments):
             raise UserError(f"{len(self.reward_weights)} --reward_weights for {len(self.reward_funcs)} --reward_funcs; "
                             "give one weight each")
         self.weights = np.array(self.reward_weights or [1.0] * len(self.reward_funcs))
+        reply_length = next(field.default for field in fields(self) if field.name == "max_new_tokens")
+        if self.eval_generate is not None or self.max_new_tokens != reply_length:
+            given = "--eval_generate" if self.eval_generate is not None else "--max_new_tokens"
+            raise UserError(f"{given} is the chat recipe's: GRPO's evaluation samples a completion of up to "
+                            "--max_completion_length tokens for every validation prompt and scores it; leave it out")
         self.max_new_tokens = self.max_completion_length  # the evaluation's replies are as long as the completions
         if self.tools or self.environment:
             check_tool_specs(self.tools, self.environment)
