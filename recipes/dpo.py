@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.config import arg
-from finetune.data.batching import TokenizedDataset
+from finetune.data.batching import TokenizedDataset, pad_token_id
 from finetune.data.embedded.preference_pairs import PREFERENCE_PAIRS
 from finetune.data.sources import load_splits
 from finetune.errors import run_main
@@ -78,7 +78,7 @@ class DPOTask(causal_lm.ChatTask):
         args = self.args
         self.replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
                                              PREFERENCE_PAIRS.score_replies)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad = pad_token_id(tokenizer)
         train_set, collate = TokenizedDataset(data.train, COLUMNS), preference.PromptRepliesCollator(pad)
         model, self.reference, described = preference.load_policy_and_reference(
             cfg, args, tokenizer, data.folder, train_set, collate, Path(cfg.output_dir) / REFERENCE_FILE)

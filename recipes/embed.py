@@ -19,15 +19,13 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-import transformers
-
 from finetune.config import arg
-from finetune.data.batching import TokenizedDataset
+from finetune.data.batching import TokenizedDataset, pad_token_id
 from finetune.data.embedded.support_answers import SUPPORT_ANSWERS
 from finetune.data.sources import load_splits
 from finetune.errors import UserError, run_main
-from finetune.models.loading import default_model_path, load_encoder_tokenizer, load_model
-from finetune.models.lora import LoraArguments, add_lora
+from finetune.models.loading import default_model_path, load_encoder_tokenizer
+from finetune.models.lora import LoraArguments
 from finetune.models.sentence_folder import Pooling, base_pooling, save_sentence_transformer
 from finetune.recipe import run_recipe
 from finetune.task import ModelCardInfo, TaskSetup
@@ -35,6 +33,7 @@ from finetune.tasks.embedding import (
     CachedGradients,
     Objective,
     collate_texts,
+    load_encoder,
     pair_metrics,
     pair_predictions,
     row_embeddings,
@@ -119,24 +118,13 @@ class EmbedTask:
         self.cached = CachedGradients(Objective(self.args.loss, self.args.scale, self.args.symmetric,
                                                 self.args.triplet_margin), self.pooling, len(columns))
         self.path, self.trust_remote_code = path, cfg.trust_remote_code
-        model = self._encoder()
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        model = load_encoder(path, cfg.trust_remote_code, self.args if self.args.use_lora else None)
+        pad = pad_token_id(tokenizer)
         return TaskSetup(TokenizedDataset(data.train), TokenizedDataset(data.validation), collate_texts(pad), model,
                          eval_collate=collate_texts(pad, ("corpus_id",)),
                          summary=f"{self.args.loss} loss over {' + '.join(columns)}, {self.pooling.mode} pooling"
                                  f"{', normalised' if self.pooling.normalize else ''}"
                                  f"{f', LoRA r={self.args.lora_r}' if self.args.use_lora else ''}")
-
-    def _encoder(self):
-        """The base model, with LoRA adapters where asked; BERT's pooler, which feeds no embedding, frozen."""
-        model = load_model(transformers.AutoModel, self.path, trust_remote_code=self.trust_remote_code)
-        if self.args.use_lora:
-            model = add_lora(model, self.args.lora_r, self.args.lora_alpha, self.args.lora_dropout,
-                             self.args.lora_target_modules, task_type="FEATURE_EXTRACTION")
-        for name, parameter in model.named_parameters():
-            if ".pooler." in f".{name}":
-                parameter.requires_grad_(False)
-        return model
 
     def rollout(self, model, window, epoch):
         return self.cached.rollout(model, window)
@@ -157,7 +145,7 @@ class EmbedTask:
 
     def save(self, model, state_dict, tokenizer, output_dir):
         if self.args.use_lora:  # merged into a fresh copy of the base: the trained model may be sharded
-            adapted = self._encoder()
+            adapted = load_encoder(self.path, self.trust_remote_code, self.args)
             adapted.load_state_dict(state_dict)
             model = adapted.merge_and_unload()
             state_dict = model.state_dict()

@@ -28,7 +28,7 @@ from finetune.task import TaskSetup
 from finetune.tasks import causal_lm, grpo, rollout, scoring
 from finetune.tasks.episodes import Episodes, EvalEpisodes, response_template, row_columns
 from finetune.tasks.grpo import GRPOArguments
-from finetune.tasks.preference import Reference, load_causal_lm
+from finetune.tasks.preference import Reference
 from finetune.tasks.rewards import RewardPool
 from finetune.tasks.tools import ToolPool
 
@@ -88,8 +88,8 @@ class GRPOTask(causal_lm.ChatTask):
         # an environment that cannot start is refused before the model loads; the rewards check gets it started
         started = self.tools.reset(row_columns(data.train.select([0])))[0][1] if args.environment else None
         scoring.check_rewards_on(self.pool, data.train[0], environment=started)
-        model = load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
-                               trust_remote_code=cfg.trust_remote_code, **args.loading_options(cfg))
+        model = causal_lm.load_causal_lm(cfg.model_name_or_path or default_chat_model_path(),
+                                         trust_remote_code=cfg.trust_remote_code, **args.loading_options(cfg))
         model, adapters = causal_lm.adapt_chat_model(model, args, tokenizer)
         self.rollouts = rollout.Rollouts(
             args, data.train, tokenizer, self.pool, args.weights.tolist(),

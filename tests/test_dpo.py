@@ -34,7 +34,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.data.batching import TokenizedDataset
 from finetune.data.embedded.preference_pairs import make_preference_pairs
-from finetune.tasks.preference import PromptRepliesCollator, load_causal_lm, pair_log_probs, tokenize_pairs
+from finetune.tasks.causal_lm import load_causal_lm
+from finetune.tasks.preference import PromptRepliesCollator, pair_log_probs, tokenize_pairs
 
 METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy", "logps_chosen",
            "logps_rejected")

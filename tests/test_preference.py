@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM
 from finetune.data.batching import TokenizedDataset
 from finetune.errors import UserError
 from finetune.models.lora import add_lora
+from finetune.tasks.causal_lm import load_causal_lm
 from finetune.tasks.preference import (
     PromptRepliesCollator,
     Reference,
     dpo_loss,
-    load_causal_lm,
     pair_figures,
     pair_log_probs,
     pair_metrics,

@@ -25,10 +25,15 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import Dataset, Sampler
 
-__all__ = ["GlobalBatchSampler", "PlannedBatch", "RankPlan", "TokenizedDataset", "padded_tokens"]
+__all__ = ["GlobalBatchSampler", "PlannedBatch", "RankPlan", "TokenizedDataset", "pad_token_id", "padded_tokens"]
 
 LENGTH, LOSS_UNITS = "length", "loss_units"
 """Columns every tokenized split carries beside what the model reads: tokens per row, loss units per row."""
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id that pads rows of ``tokenizer``'s tokens: a tokenizer without a pad token pads with its end of text."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def padded_tokens(batch: dict) -> int:

@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -23,21 +24,23 @@ from torch.utils.checkpoint import checkpoint
 
 from finetune.checkpointing.checkpoint import save_model
 from finetune.config import arg
+from finetune.data.batching import pad_token_id
 from finetune.distributed.ddp import all_reduce_max, unwrap
 from finetune.distributed.fsdp import is_sharded
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 from finetune.models.estimate import note_logits
-from finetune.models.loading import default_chat_model_path, from_pretrained
+from finetune.models.loading import default_chat_model_path, from_pretrained, load_model
 from finetune.models.lora import LoraArguments, add_lora, save_adapter
 from finetune.models.memory import four_bit_loading, keep_four_bit_trainable, require_bitsandbytes
 from finetune.task import ModelCardInfo
 from finetune.tasks.chat import IGNORE, end_of_turn_ids, require_chat_template, write_generations
 
 __all__ = ["CausalLMArguments", "ChatModelArguments", "ChatTask", "EvalReplies", "adapt_chat_model", "cache_keyword",
-           "chat_model_card", "check_output_layer", "decode_replies", "greedy_replies", "label_log_probs",
-           "language_model_collators", "load_chat_tokenizer", "reply_log_probs", "run_precision", "save_chat_model",
-           "shared_prompt_log_probs", "split_by_tokens", "summed_log_probs", "summed_reply_log_probs"]
+           "chat_model_card", "check_output_layer", "decode_replies", "greedy_replies", "is_adapter_folder",
+           "label_log_probs", "language_model_collators", "load_causal_lm", "load_chat_tokenizer", "reply_log_probs",
+           "run_precision", "save_chat_model", "shared_prompt_log_probs", "split_by_tokens", "summed_log_probs",
+           "summed_reply_log_probs"]
 
 LOGITS_PER_CHUNK = 2**24
 """Logits computed at once (64 MiB in float32): a chunk holds ``LOGITS_PER_CHUNK // vocabulary`` positions."""
@@ -147,6 +150,33 @@ def load_chat_tokenizer(cfg, chat_template: str | None):
     if tokenizer.pad_token is None:  # Llama 3.x, Mistral v0.3: pad batches and generation with the end of text, as TRL
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def load_causal_lm(name_or_path: str, **kwargs):
+    """The causal LM at ``name_or_path`` in float32 (``finetune.models.loading.load_model``); a peft adapter folder
+    (a chat run's output) gives its base model with the adapter folded into the weights.
+
+    Raises:
+        UserError: the model, or an adapter's base model, cannot be loaded.
+    """
+    if not is_adapter_folder(name_or_path):
+        return load_model(transformers.AutoModelForCausalLM, name_or_path, **kwargs)
+    from peft import PeftConfig, PeftModel
+
+    folder = os.path.expanduser(name_or_path)
+    base_path = PeftConfig.from_pretrained(folder).base_model_name_or_path
+    try:
+        base = load_model(transformers.AutoModelForCausalLM, base_path, **kwargs)
+    except UserError as err:
+        raise UserError(f"--model_name_or_path {name_or_path} is an adapter for {base_path}, which cannot be loaded "
+                        f"({err}); give the base model's folder as base_model_name_or_path in adapter_config.json"
+                        ) from None
+    return PeftModel.from_pretrained(base, folder).merge_and_unload()
+
+
+def is_adapter_folder(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is a local folder holding a peft adapter (``adapter_config.json``)."""
+    return (Path(os.path.expanduser(name_or_path)) / "adapter_config.json").is_file()
 
 
 class ChatTask:
@@ -528,7 +558,7 @@ def greedy_replies(model, index: torch.Tensor, prompts: list[list[int]], tokeniz
               _token_budget_groups([len(prompts[i]) + max_new_tokens for _, i in wanted], max_tokens)]
     if prompts:  # a process with fewer groups than another decodes a stand-in prompt (generate keeps each in step)
         groups += [[(None, 0)]] * _passes_behind(model, len(groups), index.device)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     stops = torch.tensor(model.generation_config.eos_token_id, device=index.device).view(-1)
     replies = torch.full((len(index), max_new_tokens), IGNORE, device=index.device)
     for group in groups:

@@ -15,16 +15,19 @@ from dataclasses import dataclass
 import datasets
 import torch
 import torch.nn.functional as F
+import transformers
 
 from finetune.data.batching import LENGTH, LOSS_UNITS, PlannedBatch, padded_tokens
 from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.data.sources import check_columns
 from finetune.distributed.ddp import all_gather_rows, world_size
 from finetune.errors import UserError
+from finetune.models.loading import load_model
+from finetune.models.lora import LoraArguments, add_lora
 from finetune.models.sentence_folder import Pooling
 from finetune.tasks.metrics import correlations, retrieval_metrics
 
-__all__ = ["CachedGradients", "Objective", "collate_texts", "corpus_ids", "embed", "pair_metrics",
+__all__ = ["CachedGradients", "Objective", "collate_texts", "corpus_ids", "embed", "load_encoder", "pair_metrics",
            "pair_predictions", "row_embeddings", "tokenize_pairs", "tokenize_text_rows"]
 
 @dataclass(frozen=True)
@@ -54,6 +57,20 @@ class Objective:
         if self.symmetric:  # and each positive against every anchor
             loss = (loss + F.cross_entropy(self.scale * unit[:, 1] @ anchors.T, targets)) / 2
         return loss
+
+
+def load_encoder(path: str, trust_remote_code: bool, lora: LoraArguments | None) -> torch.nn.Module:
+    """The encoder at ``path`` (``finetune.models.loading.load_model`` of an ``AutoModel``), with LoRA adapters
+    (``lora``'s rank, alpha, dropout and target modules) unless ``lora`` is None; BERT's pooler, which feeds no
+    embedding, frozen."""
+    model = load_model(transformers.AutoModel, path, trust_remote_code=trust_remote_code)
+    if lora is not None:
+        model = add_lora(model, lora.lora_r, lora.lora_alpha, lora.lora_dropout, lora.lora_target_modules,
+                         task_type="FEATURE_EXTRACTION")
+    for name, parameter in model.named_parameters():
+        if ".pooler." in f".{name}":
+            parameter.requires_grad_(False)
+    return model
 
 
 def embed(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:

@@ -15,7 +15,6 @@ import copy
 import hashlib
 import json
 import math
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +32,19 @@ from finetune.data.batching import LENGTH, LOSS_UNITS
 from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.distributed.ddp import all_gather_padded, all_reduce_max, unwrap
 from finetune.errors import UserError
-from finetune.models.loading import default_chat_model_path, load_model
-from finetune.tasks.causal_lm import adapt_chat_model, run_precision, shared_prompt_log_probs, summed_reply_log_probs
+from finetune.models.loading import default_chat_model_path
+from finetune.tasks.causal_lm import (
+    adapt_chat_model,
+    is_adapter_folder,
+    load_causal_lm,
+    run_precision,
+    shared_prompt_log_probs,
+    summed_reply_log_probs,
+)
 from finetune.tasks.chat import check_conversation, render_last_reply, rows_tools, without_nulls
 
 __all__ = ["LOSS_TYPES", "PAIR_FIGURES", "Precomputation", "PromptRepliesCollator", "Reference",
-           "check_loss_options", "dpo_loss", "is_adapter_folder", "load_causal_lm", "load_policy_and_reference",
+           "check_loss_options", "dpo_loss", "load_policy_and_reference",
            "pair_figures", "pair_log_probs", "pair_metrics", "precomputed_reference", "preference_layout",
            "preview_pairs", "read_pairs", "reference_key", "tokenize_pairs", "write_pair_predictions"]
 
@@ -343,30 +349,6 @@ class Reference:
             inner.train(training)
 
 
-def load_causal_lm(name_or_path: str, **kwargs):
-    """The causal LM at ``name_or_path`` in float32 (``finetune.models.loading.load_model``); a peft adapter folder
-    (a chat run's output) gives its base model with the adapter folded into the weights.
-
-    Raises:
-        UserError: the model, or an adapter's base model, cannot be loaded.
-    """
-    import transformers
-
-    if not is_adapter_folder(name_or_path):
-        return load_model(transformers.AutoModelForCausalLM, name_or_path, **kwargs)
-    from peft import PeftConfig, PeftModel
-
-    folder = os.path.expanduser(name_or_path)
-    base_path = PeftConfig.from_pretrained(folder).base_model_name_or_path
-    try:
-        base = load_model(transformers.AutoModelForCausalLM, base_path, **kwargs)
-    except UserError as err:
-        raise UserError(f"--model_name_or_path {name_or_path} is an adapter for {base_path}, which cannot be loaded "
-                        f"({err}); give the base model's folder as base_model_name_or_path in adapter_config.json"
-                        ) from None
-    return PeftModel.from_pretrained(base, folder).merge_and_unload()
-
-
 def preview_pairs(pairs: datasets.Dataset, tokenizer, count: int) -> list[dict]:
     """The first ``count`` pairs of ``tokenize_pairs`` as ``Task.preview`` gives rows: each pair twice, the prompt
     with its chosen reply, then with its rejected one (``reply`` says which); the reply is what trains."""
@@ -405,11 +387,6 @@ def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set
         "one that stands alone)")
     summary = [f"{'precomputed' if precomputation else 'live'} reference", adapters, folded]
     return model, Reference(model, precomputation, precision), ", ".join(filter(None, summary))
-
-
-def is_adapter_folder(name_or_path: str) -> bool:
-    """Whether ``name_or_path`` is a local folder holding a peft adapter (``adapter_config.json``)."""
-    return (Path(os.path.expanduser(name_or_path)) / "adapter_config.json").is_file()
 
 
 def reference_key(model, precision: str, data_folder: Path) -> str:

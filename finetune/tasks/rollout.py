@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from finetune.checkpointing.files import replacing
-from finetune.data.batching import LENGTH, GlobalBatchSampler, PlannedBatch
+from finetune.data.batching import LENGTH, GlobalBatchSampler, PlannedBatch, pad_token_id
 from finetune.distributed.ddp import all_reduce_max, all_reduce_sum
 from finetune.distributed.fsdp import is_sharded
 from finetune.task import CountedBatch
@@ -250,7 +250,7 @@ class Rollouts:
         self.weights, self.stop_ids = torch.tensor(weights, dtype=torch.float64), set(stop_ids)
         self.world_size, self.rank, self.seed = world_size, rank, seed
         self.per_device_batch_size, self.accumulation_steps = per_device_batch_size, accumulation_steps
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad = pad_token_id(tokenizer)
         self.failures = RewardFailures(pool.names)
         self.judge = RewardJudge(self.failures, args.max_reward_failures, rank)
         self.names = reward_names(pool.names)
