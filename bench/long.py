@@ -22,7 +22,10 @@ dropout 0.05), learning rate and weight decay, float32, 2 threads:
 - ``trl``: TRL's ``SFTTrainer`` with its defaults for such rows: activation checkpointing on, padding-free
   batches, no length limit (``bench/baselines.py trl_long``);
 - ``finetune_kept`` (rows up to 4,096 tokens): ``sft.py`` without checkpointing, what it costs to keep every
-  layer's activations.
+  layer's activations;
+- ``finetune_tiled`` (asked for with ``--configs``): ``sft.py --gradient_checkpointing --tiled_mlp``, each layer's
+  MLP run a tile of positions at a time (``bench/results/long-tiled.json``:
+  ``--lengths 16384 --repeats 1 --configs finetune_tiled finetune trl --return_freed_memory``).
 
 ``--recipe dpo`` trains the preference recipe on a pair instead: the long row's reply chosen, another as long (made
 the same way from other conversations) rejected, against TRL's ``DPOTrainer`` with its defaults for such rows
@@ -87,7 +90,7 @@ SIZES = {
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2},
 }
-CONFIGS = ("finetune", "trl", "finetune_kept", "finetune_full", "trl_full")
+CONFIGS = ("finetune", "trl", "finetune_kept", "finetune_tiled", "finetune_full", "trl_full")
 GPU_BF16_PEAK = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 """Dense bf16 FLOP/s from NVIDIA's data sheets (SXM parts unless named), as bench/harness.py has them."""
 
@@ -238,13 +241,14 @@ def command(config: str, train: Path, validation: Path, tokens: int, output_dir:
         flags += ["--reward_funcs", f"{train.parent / 'rewards.py'}:varied", "--max_completion_length", str(tokens),
                   "--num_generations", str(GRPO_GENERATIONS), "--lora_dropout", "0"]
     flags += ["--no_use_lora"] if config.endswith("_full") else []
+    flags += ["--tiled_mlp"] if config == "finetune_tiled" else []
     flags += ["--model_name_or_path", model] if model else []
     flags += ["--mixed_precision", "bf16"] if torch.cuda.is_available() else []
     return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_cpu_threads_per_process",
             "2", str(BENCH / "probe.py"), str(REPO / "recipes" / f"{recipe}.py"), "--train_file", str(train),
             "--validation_file", str(validation), "--max_seq_length", str(tokens + 512),
             "--per_device_train_batch_size", str(rows), "--per_device_eval_batch_size", "1", "--num_train_epochs", "1",
-            "--eval_generate", "0", "--output_dir", str(output_dir), *flags]
+            *([] if recipe == "grpo" else ["--eval_generate", "0"]), "--output_dir", str(output_dir), *flags]
 
 
 def run(config: str, train: Path, validation: Path, tokens: int, scratch: Path, return_freed: bool,
@@ -352,6 +356,12 @@ def table(results: dict) -> str:
                      f"| {figures['date']} |")
     notes = [f"- {tokens:,}: {figures['note']}"
              for tokens, figures in lengths_measured(results).items() if "note" in figures]
+    notes += [f"- {tokens:,}: with `--tiled_mlp` too, {tiled[peak]:,.0f} MiB "
+              f"(**{figures['ratios']['tiled_peak_memory_vs_trl']:.2f}x** TRL's), {tiled['tokens_per_second']:.1f} "
+              f"tokens/s ({figures['ratios']['tiled_tokens_per_second_vs_trl']:.2f}x)"
+              for tokens, figures in lengths_measured(results).items()
+              if (tiled := figures["medians"].get("finetune_tiled"))
+              and "tiled_peak_memory_vs_trl" in figures["ratios"]]
     notes += [f"- {tokens:,}: predicted {now['predicted_peak_mib']:,} MiB by `--prepare_only` at {now['commit']} "
               f"({now['date']}; `--predicted_only`)"
               for tokens, figures in lengths_measured(results).items() if (now := figures.get("predicted_now"))]
@@ -369,7 +379,8 @@ def plot(results: dict, path: Path) -> None:
     figure, (memory, speed) = pyplot.subplots(1, 2, figsize=(9, 3.4))
     for config, label, style in (("finetune", "finetune, --gradient_checkpointing", "o-"),
                                  ("trl", f"TRL {RECIPES[results['recipe']].trainer} with checkpointing", "s--"),
-                                 ("finetune_kept", "finetune, every activation kept", "^:")):
+                                 ("finetune_kept", "finetune, every activation kept", "^:"),
+                                 ("finetune_tiled", "finetune, --gradient_checkpointing --tiled_mlp", "d-.")):
         points = [(tokens, figures["medians"][config]) for tokens, figures in measured.items()
                   if config in figures["medians"]]
         if points:
@@ -411,12 +422,16 @@ def main(lengths: list[int], repeats: int, return_freed: bool, results_file: Pat
                             for key in ("peak_rss_mib", "tokens_per_second", "step_seconds", "peak_gpu_memory_mib",
                                         "model_flops_utilisation") if all(run.get(key) is not None for run in figures)}
                    for config, figures in by_config.items() if all("failed" not in run for run in figures)}
-        ours, theirs = by_config.get("finetune", []), by_config.get("trl", [])
-        pairs = [(a, b) for a, b in zip(ours, theirs, strict=True)  # (--configs may leave a side out)
-                 if "failed" not in a and "failed" not in b] if ours and theirs else []
-        ratios = {"peak_memory_vs_trl": statistics.median(a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in pairs),
-                  "tokens_per_second_vs_trl": statistics.median(a["tokens_per_second"] / b["tokens_per_second"]
-                                                                for a, b in pairs)} if pairs else {}
+        ratios = {}
+        for config, prefix in (("finetune", ""), ("finetune_tiled", "tiled_")):
+            ours, theirs = by_config.get(config, []), by_config.get("trl", [])
+            pairs = [(a, b) for a, b in zip(ours, theirs, strict=True)  # (--configs may leave a side out)
+                     if "failed" not in a and "failed" not in b] if ours and theirs else []
+            if pairs:
+                ratios[f"{prefix}peak_memory_vs_trl"] = statistics.median(a["peak_rss_mib"] / b["peak_rss_mib"]
+                                                                          for a, b in pairs)
+                ratios[f"{prefix}tokens_per_second_vs_trl"] = statistics.median(
+                    a["tokens_per_second"] / b["tokens_per_second"] for a, b in pairs)
         for config, figures in by_config.items():
             if all("predicted_peak_mib" in run for run in figures):
                 ratios[f"{config}_predicted_vs_measured_peak"] = statistics.median(

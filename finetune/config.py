@@ -88,6 +88,9 @@ class TrainConfig:
               "(activation checkpointing): far less memory for long rows, for a second forward pass; exact. "
               "Default: on where keeping every activation of the longest micro-batch would need more than half the "
               "memory the rest of the predicted peak leaves (docs/memory.md).")
+    tiled_mlp: bool = arg(False, "Run each layer's MLP a tile of positions at a time, keeping only its input for "
+                                 "the backward pass (Arctic Long Sequence Training's tiled MLP): far less memory for "
+                                 "rows of many thousand tokens, for a third forward pass of the MLP.")
 
     # Outputs, checkpoints, logging
     output_dir: str = arg("outputs", "Where the trained model, checkpoints and results go.")

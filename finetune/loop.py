@@ -52,7 +52,7 @@ from finetune.errors import UserError
 from finetune.evaluation import Evaluation
 from finetune.hub.pusher import HubPusher, download_last_checkpoint, model_card
 from finetune.models.loading import optimizer_param_groups
-from finetune.models.memory import checkpoint_activations
+from finetune.models.memory import keep_less
 from finetune.observability.metering import TrainingMeter
 from finetune.runtimes.base import Runtime, TrackerSettings
 from finetune.runtimes.launcher import make_runtime
@@ -108,8 +108,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         if hasattr(task, "close"):
             closing.callback(task.close)
         setup = task.setup(cfg, tokenizer, data)
-        if cfg.gradient_checkpointing:
-            checkpoint_activations(setup.model)
+        keep_less(setup.model, cfg.gradient_checkpointing, cfg.tiled_mlp, runtime.shards)
         sampler = training_sampler(setup, cfg, runtime)
         train_loader = runtime.train_loader(setup.train_set, sampler, setup.collate)
         eval_loader = runtime.eval_loader(setup.eval_set, cfg.per_device_eval_batch_size,

@@ -19,7 +19,7 @@ from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 from finetune.models.estimate import MemoryEstimate, extrapolated, longest_planned, predict_memory, weights_alive
 from finetune.models.loading import first_layers_only, weight_dtypes
-from finetune.models.memory import checkpoint_activations, is_four_bit
+from finetune.models.memory import checkpoint_activations, is_four_bit, keep_less
 from finetune.runtimes.base import Runtime
 from finetune.runtimes.launcher import make_runtime
 from finetune.task import Task, TaskSetup
@@ -47,6 +47,8 @@ def announce(task: Task, cfg: TrainConfig, runtime: Runtime, source: str, setup:
         checkpoint_activations(unwrapped)
         estimate = estimate.recomputed()
         recompute = "layers recomputed in the backward pass (every activation kept would not fit), "
+    if cfg.tiled_mlp:
+        recompute += "MLPs run in tiles of positions, "
     truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None else setup.truncated)
     runtime.print(f"training {task.name} on {source}: {len(setup.train_set)} examples ({truncated} cut "
                   f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {weight_dtypes(setup.model)}, "
@@ -98,8 +100,7 @@ def _predicted_before_loading(task: Task, cfg: TrainConfig, tokenizer, data, run
                 setup = task.setup(cfg, tokenizer, data)
             if runtime.device.type != "cpu" and not is_four_bit(setup.model):  # 4-bit weights load onto the device
                 setup.model.to(runtime.device)
-            if cfg.gradient_checkpointing:
-                checkpoint_activations(setup.model)
+            keep_less(setup.model, cfg.gradient_checkpointing, cfg.tiled_mlp, runtime.shards)
             with runtime.autocast():  # as the prepared model's forward would run
                 estimates.append(_predicted(task, cfg, runtime, setup, training_sampler(setup, cfg, runtime),
                                             setup.model, epoch=0))

@@ -20,6 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from finetune.data.batching import TokenizedDataset
 from finetune.errors import UserError
 from finetune.models import estimate as estimate_module
+from finetune.models import memory as memory_module
 from finetune.models.estimate import (
     MemoryEstimate,
     extrapolated,
@@ -30,7 +31,7 @@ from finetune.models.estimate import (
 )
 from finetune.models.loading import first_layers_only, load_model
 from finetune.models.lora import add_lora
-from finetune.models.memory import checkpoint_activations
+from finetune.models.memory import checkpoint_activations, keep_less
 from finetune.tasks import causal_lm
 from finetune.tasks.causal_lm import label_log_probs
 from finetune.tasks.chat import IGNORE
@@ -395,3 +396,54 @@ def test_a_loss_that_runs_the_model_once_a_column_counts_one_column_s_layer_bein
 
     longest = one_layer({"ids_0": list(range(1, 49))})
     assert 0 < one_layer({"ids_0": list(range(1, 49)), "ids_1": list(range(1, 25))}) == pytest.approx(longest, rel=0.1)
+
+
+def tiled_step(model, checkpointed: bool, tiled: bool) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
+    """What a forward pass over ``padded_batch`` (60 positions: 2 tiles of the tiny model's 32) keeps for the
+    backward pass (``kept_for_backward``), its loss and its gradients, the random state seeded alike."""
+    model = copy.deepcopy(model)
+    keep_less(model, checkpointed, tiled, sharded=False)
+    torch.manual_seed(0)
+    kept = kept_for_backward(lambda: model(**padded_batch()).loss, model)
+    torch.manual_seed(0)
+    loss = model(**padded_batch()).loss
+    loss.backward()
+    return kept, loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["kept", "recomputed"])
+@pytest.mark.parametrize("lora_dropout", [None, 0.0, 0.1], ids=["full", "lora", "lora-with-dropout"])
+def test_tiled_mlps_keep_their_input_alone_and_train_as_the_whole_mlp(lora_dropout, checkpointed, monkeypatch):
+    """Against the same tiles run with every activation kept (the dropout's masks drawn tile by tile alike, which
+    the backward pass must draw again), and without dropout against the MLP run whole: the same loss, gradients
+    within 1e-6, and none of the MLP's intermediate activations kept."""
+    model = tiny_causal_lm().train() if lora_dropout is None else adapted(lora_dropout)
+    kept, loss, gradients = tiled_step(model, checkpointed, tiled=True)
+
+    def kept_tiles(mlp, tiles, x, *weights):
+        parts = x.reshape(-1, x.shape[-1]).tensor_split(tiles)
+        return torch.cat([mlp.untiled_forward(part) for part in parts]).reshape(*x.shape[:-1], -1)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(memory_module._TiledMLP, "apply", kept_tiles)
+        kept_by_tiles, loss_by_tiles, gradients_by_tiles = tiled_step(model, checkpointed, tiled=True)
+    references = [(loss_by_tiles, gradients_by_tiles)]
+    if not lora_dropout:
+        references.append(tiled_step(model, checkpointed, tiled=False)[1:])
+    for reference_loss, reference_gradients in references:
+        torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=0)
+        assert gradients.keys() == reference_gradients.keys() and len(gradients) > 0
+        for name, gradient in gradients.items():
+            torch.testing.assert_close(gradient, reference_gradients[name], rtol=1e-6, atol=1e-9, msg=name)
+    if not checkpointed:  # each layer's gate, up, their product and the activation: 60 positions x 64 x 4 bytes
+        assert kept <= kept_by_tiles - 2 * 4 * 60 * 64 * 4, (kept, kept_by_tiles)
+
+
+def test_a_model_without_mlps_in_its_layers_is_refused_tiling():
+    from transformers import BertConfig, BertModel
+
+    bert = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(UserError, match=r"--tiled_mlp: BertModel's layers have no MLP of their own"):
+        keep_less(bert, False, tiled_mlp=True, sharded=False)
+    with pytest.raises(UserError, match=r"--tiled_mlp with a sharded model \(--fsdp\)"):
+        keep_less(tiny_causal_lm(), False, tiled_mlp=True, sharded=True)

@@ -1,14 +1,17 @@
-"""What a model keeps in memory while it trains: activation checkpointing of its layers, and 4-bit frozen base
-weights (QLoRA) through bitsandbytes."""
+"""What a model keeps in memory while it trains: activation checkpointing of its layers, their MLPs run a tile of
+positions at a time, and 4-bit frozen base weights (QLoRA) through bitsandbytes."""
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 
 from finetune.errors import UserError
 
 __all__ = ["checkpoint_activations", "dequantize_into", "four_bit_loading", "is_four_bit", "keep_four_bit_trainable",
-           "require_bitsandbytes"]
+           "keep_less", "require_bitsandbytes", "tile_mlps"]
 
 
 def checkpoint_activations(model: torch.nn.Module) -> None:
@@ -26,6 +29,105 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
         raise UserError(f"--gradient_checkpointing: {type(base).__name__} cannot recompute its layers "
                         "(transformers has no activation checkpointing for it); leave the flag off")
     base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def keep_less(model: torch.nn.Module, gradient_checkpointing: bool | None, tiled_mlp: bool, sharded: bool) -> None:
+    """The memory options a run asked for, applied to its model: ``--gradient_checkpointing``, ``--tiled_mlp``."""
+    if tiled_mlp and sharded:
+        raise UserError("--tiled_mlp with a sharded model (--fsdp) is not supported; leave one of them out")
+    if gradient_checkpointing:
+        checkpoint_activations(model)
+    if tiled_mlp:
+        tile_mlps(model)
+
+
+def tile_mlps(model: torch.nn.Module) -> None:
+    """Run each transformer layer's MLP a tile of positions at a time where gradients are wanted, keeping only its
+    input for the backward pass, which runs each tile's MLP again and takes its gradients there (Arctic Long
+    Sequence Training's tiled MLP). The MLP's intermediate activations, its widest, are then a tile's at most: on
+    long rows the largest share of what a recomputed layer holds, for a third forward of the MLP.
+
+    A tile is as many positions as the model's hidden size (so a tile's intermediate activations are about the
+    size of one of the MLP's weights); a micro-batch with no more positions runs the MLP whole. The same
+    function of each position, so the same outputs; gradients summed tile by tile (float32: within 1e-6).
+
+    Raises:
+        UserError: the model's layers have no ``mlp`` of their own, or route each token to experts.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    mlps = [layer.mlp for layer in base.modules()
+            if isinstance(layer, GradientCheckpointingLayer) and isinstance(getattr(layer, "mlp", None),
+                                                                            torch.nn.Module)]
+    experts = any(getattr(config, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if not mlps or experts:
+        raise UserError(f"--tiled_mlp: {type(base).__name__}'s layers have "
+                        f"{'experts routed per token' if experts else 'no MLP of their own (an mlp module)'}; "
+                        "leave the flag off")
+    for mlp in mlps:
+        if not hasattr(mlp, "untiled_forward"):
+            mlp.untiled_forward = mlp.forward
+            mlp.forward = functools.partial(_tiled_forward, mlp, config.hidden_size)
+
+
+def _tiled_forward(mlp: torch.nn.Module, tile: int, x: torch.Tensor) -> torch.Tensor:
+    positions = x.shape[:-1].numel()
+    if not torch.is_grad_enabled() or positions <= tile:
+        return mlp.untiled_forward(x)
+    weights = [parameter for parameter in mlp.parameters() if parameter.requires_grad]
+    return _TiledMLP.apply(mlp, math.ceil(positions / tile), x, *weights)
+
+
+class _TiledMLP(torch.autograd.Function):
+    """``mlp.untiled_forward(x)`` computed ``tiles`` parts of the positions at a time, keeping ``x`` alone; the
+    backward pass runs each part again, under the random state (dropout) and autocast the forward had."""
+
+    @staticmethod
+    def forward(ctx, mlp: torch.nn.Module, tiles: int, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.mlp, ctx.tiles, ctx.device = mlp, tiles, x.device
+        ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        ctx.rng = _random_state(x.device)
+        ctx.save_for_backward(x, *weights)
+        parts = x.reshape(-1, x.shape[-1]).tensor_split(tiles)
+        return torch.cat([mlp.untiled_forward(part) for part in parts]).reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[2]
+        grad_x = torch.empty_like(x).reshape(-1, x.shape[-1]) if wanted else None
+        grad_weights = [None] * len(weights)
+        start = 0
+        devices = [ctx.device] if ctx.device.type == "cuda" else []
+        enabled, dtype = ctx.autocast
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+                torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
+            _set_random_state(ctx.device, ctx.rng)
+            for part, grad_part in zip(x.reshape(-1, x.shape[-1]).tensor_split(ctx.tiles),
+                                       grad_output.reshape(-1, grad_output.shape[-1]).tensor_split(ctx.tiles),
+                                       strict=True):
+                part = part.detach().requires_grad_(wanted)
+                grads = torch.autograd.grad(ctx.mlp.untiled_forward(part), [part] * wanted + weights, grad_part,
+                                            allow_unused=True)
+                if wanted:
+                    grad_x[start:start + len(part)] = grads[0]
+                    grads = grads[1:]
+                grad_weights = [grad if total is None else total if grad is None else total.add_(grad)
+                                for total, grad in zip(grad_weights, grads, strict=True)]
+                start += len(part)
+        return None, None, grad_x.reshape(x.shape) if wanted else None, *grad_weights
+
+
+def _random_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_random_state(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def require_bitsandbytes() -> None:
