@@ -11,7 +11,8 @@
 #   bash bench/gpu_check.sh OUT tests -k ...  # a rerun of some: what follows 'tests' goes to pytest
 #   bash bench/gpu_check.sh OUT bench         # the same, the benchmarks
 #   bash bench/gpu_check.sh OUT long          # the same, long rows: a random 1.1B Llama at 8k and 32k tokens
-#                                             # against TRL, LoRA and full, bf16 (bench/long.py; 5-7 minutes)
+#                                             # against TRL, LoRA (tiled MLPs too) and full, bf16 (bench/long.py;
+#                                             # 6-8 minutes)
 #   bash bench/gpu_check.sh OUT --rehearse    # anywhere: the same install, chat model, test selection and
 #                                             # result files, with the runs cut to a minimum (CPU, minutes)
 #
@@ -65,10 +66,10 @@ if [ "$part" = --rehearse ]; then
   step bench-sft 600 python3 bench/run.py --suite sft --repeats 1 --train_examples 24 \
     --per_device_train_batch_size 4 --results_dir "$out"
   step bench-long 300 python3 bench/long.py --model_size tiny --lengths 256 --repeats 1 \
-    --configs finetune trl finetune_full trl_full --results_file "$out/long-rehearse.json"
-elif [ "$part" = long ]; then  # 8 runs; each one's start-up is most of its time
-  step bench-long 400 python3 bench/long.py --model_size 1b --lengths 8192 32768 --repeats 1 \
-    --configs finetune trl finetune_full trl_full --results_file "$out/long-cuda.json"
+    --configs finetune finetune_tiled trl finetune_full trl_full --results_file "$out/long-rehearse.json"
+elif [ "$part" = long ]; then  # 10 runs; each one's start-up is most of its time
+  step bench-long 500 python3 bench/long.py --model_size 1b --lengths 8192 32768 --repeats 1 \
+    --configs finetune finetune_tiled trl finetune_full trl_full --results_file "$out/long-cuda.json"
 elif [ "$part" = tests ]; then  # every test, not -x: a call is too dear to learn one failure a call
   step gpu-tests 480 python3 -m pytest -m gpu -v -rfE --durations=0 --junitxml="$out/gpu-tests.xml" "${@:3}"
 else

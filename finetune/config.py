@@ -139,6 +139,9 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--{name} is {value}; it must be a positive whole number (or left unset)")
+        if self.tiled_mlp and self.fsdp:
+            raise UserError("--tiled_mlp with --fsdp is not supported (a tile's backward pass takes its weights' "
+                            "gradients whole); leave one of them out")
         if self.preview_rows < 0:
             raise UserError(f"--preview_rows is {self.preview_rows}; give how many training rows to show")
         if self.preview_rows and not self.prepare_only:

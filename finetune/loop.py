@@ -52,7 +52,7 @@ from finetune.errors import UserError
 from finetune.evaluation import Evaluation
 from finetune.hub.pusher import HubPusher, download_last_checkpoint, model_card
 from finetune.models.loading import optimizer_param_groups
-from finetune.models.memory import keep_less
+from finetune.models.memory import check_tiling, keep_less
 from finetune.observability.metering import TrainingMeter
 from finetune.runtimes.base import Runtime, TrackerSettings
 from finetune.runtimes.launcher import make_runtime
@@ -94,6 +94,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         check_output_dir(cfg.output_dir, cfg.overwrite_output_dir, resume_from, found_in_folder)
         stop = closing.enter_context(StopSignals())
         runtime = closing.enter_context(make_runtime(cfg, _tracker_settings(task, cfg, task_options, resume_from)))
+        check_tiling(cfg.tiled_mlp, runtime.shards_weights)
         if found_in_folder:
             resume_from = _main_process_choice(runtime, resume_from, cfg.output_dir)
         set_seed(cfg.seed)
@@ -108,7 +109,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         if hasattr(task, "close"):
             closing.callback(task.close)
         setup = task.setup(cfg, tokenizer, data)
-        keep_less(setup.model, cfg.gradient_checkpointing, cfg.tiled_mlp, runtime.shards)
+        keep_less(setup.model, cfg.gradient_checkpointing, cfg.tiled_mlp)
         sampler = training_sampler(setup, cfg, runtime)
         train_loader = runtime.train_loader(setup.train_set, sampler, setup.collate)
         eval_loader = runtime.eval_loader(setup.eval_set, cfg.per_device_eval_batch_size,

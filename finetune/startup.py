@@ -19,7 +19,7 @@ from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 from finetune.models.estimate import MemoryEstimate, extrapolated, longest_planned, predict_memory, weights_alive
 from finetune.models.loading import first_layers_only, weight_dtypes
-from finetune.models.memory import checkpoint_activations, is_four_bit, keep_less
+from finetune.models.memory import check_tiling, checkpoint_activations, is_four_bit, keep_less
 from finetune.runtimes.base import Runtime
 from finetune.runtimes.launcher import make_runtime
 from finetune.task import Task, TaskSetup
@@ -70,6 +70,7 @@ def prepare_only(task: Task, cfg: TrainConfig) -> dict:
         raise UserError(f"--preview_rows: the {task.name} recipe has no preview of its rows; the chat recipes do")
     with contextlib.ExitStack() as closing:
         runtime = closing.enter_context(make_runtime(cfg, tracking=None))
+        check_tiling(cfg.tiled_mlp, runtime.shards_weights)
         tokenizer = task.load_tokenizer(cfg)
         data = load_or_build(task, cfg, tokenizer, runtime)
         if cfg.preview_rows and runtime.is_main_process:
@@ -100,7 +101,7 @@ def _predicted_before_loading(task: Task, cfg: TrainConfig, tokenizer, data, run
                 setup = task.setup(cfg, tokenizer, data)
             if runtime.device.type != "cpu" and not is_four_bit(setup.model):  # 4-bit weights load onto the device
                 setup.model.to(runtime.device)
-            keep_less(setup.model, cfg.gradient_checkpointing, cfg.tiled_mlp, runtime.shards)
+            keep_less(setup.model, cfg.gradient_checkpointing, cfg.tiled_mlp)
             with runtime.autocast():  # as the prepared model's forward would run
                 estimates.append(_predicted(task, cfg, runtime, setup, training_sampler(setup, cfg, runtime),
                                             setup.model, epoch=0))

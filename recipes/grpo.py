@@ -79,8 +79,8 @@ class GRPOTask(causal_lm.ChatTask):
     def setup(self, cfg, tokenizer, data):
         args, env = self.args, LaunchEnvironment.read()
         episodes = self.tools and Episodes(args, tokenizer, self.tools, args.template_options)
-        grpo.check_whole_groups(cfg.per_device_train_batch_size * env.world_size * cfg.gradient_accumulation_steps,
-                                args.num_generations)
+        train_set = TokenizedDataset(data.train, ["index"])
+        sampler = rollout.RolloutSampler.for_run(train_set.lengths, cfg, args, env.world_size)
         self.run_files = tuple(f"rollout-rank{rank}.pt" for rank in range(env.world_size))  # (num_iterations > 1)
         # one pool however often the model is set up (--prepare_only counts on two cut models)
         self.pool = self.pool or RewardPool(args.reward_funcs, timeout=args.reward_timeout,
@@ -104,13 +104,6 @@ class GRPOTask(causal_lm.ChatTask):
             replies = causal_lm.EvalReplies(data.validation, tokenizer, args, data.info["answers"],
                                             SUPPORT_PROMPTS.score_replies, count=len(data.validation))
             self.evaluation = rollout.EvalReplyRewards(replies, self.pool, args.weights)
-        train_set = TokenizedDataset(data.train, ["index"])
-        sampler = rollout.RolloutSampler(train_set.lengths, cfg.per_device_train_batch_size, env.world_size,
-                                      seed=cfg.seed, accumulation_steps=cfg.gradient_accumulation_steps,
-                                      num_generations=args.num_generations, num_iterations=args.num_iterations)
-        if not sampler.windows:
-            raise UserError(f"{len(train_set)} training prompts are fewer than a step's {sampler.prompts_per_window}; "
-                            "lower --per_device_train_batch_size or --gradient_accumulation_steps, or add prompts")
         summary = [f"{args.num_generations} completions a prompt, --loss_type {args.loss_type}, rewards: "
                    + ", ".join(args.reward_funcs), args.tools and "tools: " + ", ".join(args.tools),
                    args.environment and f"environment: {args.environment}", adapters]

@@ -114,6 +114,7 @@ def test_yaml_lists_and_single_values_must_match_the_option(tmp_path):
         (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
         (["--preview_rows", "3"], "--preview_rows shows the data --prepare_only prepares; add --prepare_only"),
         (["--preview_rows", "-1", "--prepare_only"], "--preview_rows is -1; give how many training rows to show"),
+        (["--tiled_mlp", "--fsdp"], "--tiled_mlp with --fsdp is not supported"),
     ],
 )
 def test_invalid_values_are_refused(argv, message):

@@ -626,6 +626,7 @@ def run_on_refused(model, out, *flags):
     (["--reward_funcs", "{rewards}:wrong_signature"], ["wrong_signature", "TRL's signature"]),
     (["--num_generations", "1"], ["--num_generations is 1"]),
     (["--per_device_train_batch_size", "6"], ["do not hold whole groups of --num_generations 4"]),
+    (["--gradient_accumulation_steps", "50"], ["training prompts are fewer than a step's 200"]),
     (["--epsilon_high", "0.1"], ["--epsilon_high 0.1 is below --epsilon 0.2"]),
     (["--reward_weights", "1", "2"], ["2 --reward_weights for 1 --reward_funcs"]),
     (["--eval_generate", "3"], ["--eval_generate is the chat recipe's", "--max_completion_length"]),

@@ -31,7 +31,7 @@ from finetune.models.estimate import (
 )
 from finetune.models.loading import first_layers_only, load_model
 from finetune.models.lora import add_lora
-from finetune.models.memory import checkpoint_activations, keep_less
+from finetune.models.memory import check_tiling, checkpoint_activations, keep_less, tile_mlps
 from finetune.tasks import causal_lm
 from finetune.tasks.causal_lm import label_log_probs
 from finetune.tasks.chat import IGNORE
@@ -402,7 +402,7 @@ def tiled_step(model, checkpointed: bool, tiled: bool) -> tuple[int, torch.Tenso
     """What a forward pass over ``padded_batch`` (60 positions: 2 tiles of the tiny model's 32) keeps for the
     backward pass (``kept_for_backward``), its loss and its gradients, the random state seeded alike."""
     model = copy.deepcopy(model)
-    keep_less(model, checkpointed, tiled, sharded=False)
+    keep_less(model, checkpointed, tiled)
     torch.manual_seed(0)
     kept = kept_for_backward(lambda: model(**padded_batch()).loss, model)
     torch.manual_seed(0)
@@ -443,7 +443,31 @@ def test_a_model_without_mlps_in_its_layers_is_refused_tiling():
     from transformers import BertConfig, BertModel
 
     bert = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
-    with pytest.raises(UserError, match=r"--tiled_mlp: BertModel's layers have no MLP of their own"):
-        keep_less(bert, False, tiled_mlp=True, sharded=False)
-    with pytest.raises(UserError, match=r"--tiled_mlp with a sharded model \(--fsdp\)"):
-        keep_less(tiny_causal_lm(), False, tiled_mlp=True, sharded=True)
+    with pytest.raises(UserError, match=r"--tiled_mlp: BertModel's layers have no MLP transformers can reach"):
+        keep_less(bert, False, tiled_mlp=True)
+    with pytest.raises(UserError, match=r"--tiled_mlp with sharded weights \(--fsdp, or an accelerate config"):
+        check_tiling(True, shards_weights=True)
+    check_tiling(True, shards_weights=False)
+
+
+def test_tiled_mlps_are_counted_as_the_whole_micro_batch_tiles_them(monkeypatch):
+    """A micro-batch longer than the count takes is counted on its rows cut short, whose MLPs would run whole or in
+    fewer, longer tiles: counted with as many tiles as the whole micro-batch's, each as much shorter, the fit keeps
+    what the whole one does (counted exactly), none of its MLPs' intermediate activations."""
+    monkeypatch.setattr(estimate_module, "COUNTED_TOKENS", 64)  # rows cut to 32 and 64 positions: tiles of 32
+    generator = torch.Generator().manual_seed(0)
+    rows = {"input_ids": [torch.randint(1, 500, (n,), generator=generator).tolist() for n in (180, 200)]}
+    rows["labels"] = [[IGNORE] * 10 + ids[10:] for ids in rows["input_ids"]]
+    train_set = TokenizedDataset.from_dict(rows)
+    model = adapted(0.0).eval()
+    tile_mlps(model)
+    estimate = predict_memory(model, longest_planned(train_set, [[0, 1]], collate_padded, chat_loss),
+                              torch.device("cpu"), 1, checkpointing=False)
+    whole = collate_padded([train_set[0], train_set[1]])
+    tiled, untiled = adapted(0.0).train(), adapted(0.0).train()
+    tile_mlps(tiled)
+    kept = kept_for_backward(lambda: chat_loss(tiled, dict(whole)), tiled)
+    kept_untiled = kept_for_backward(lambda: chat_loss(untiled, dict(whole)), untiled)
+    assert estimate.activations == pytest.approx(kept, rel=0.05)
+    # each layer's gate, up, their product and the activation: 400 positions x 64 x 4 bytes
+    assert kept <= kept_untiled - 2 * 4 * 400 * 64 * 4, (kept, kept_untiled)

@@ -102,7 +102,12 @@ def specs(path: Path, *names: str) -> list[str]:
 
 
 def worker_processes() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if "finetune.tasks.workers" in p.cmdline()]
+    def is_worker(process: psutil.Process) -> bool:
+        try:
+            return "finetune.tasks.workers" in process.cmdline()
+        except psutil.NoSuchProcess:  # another test's child, gone since it was listed (a zombie too)
+            return False
+    return [p for p in psutil.Process().children(recursive=True) if is_worker(p)]
 
 
 def test_functions_load_by_module_name_and_by_file(rewards, tmp_path, monkeypatch, request):

@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from finetune.data.batching import padded_tokens
-from finetune.models.memory import checkpoint_activations
+from finetune.models.memory import checkpoint_activations, tiles_as_if_cut
 from finetune.task import CountedBatch
 
 __all__ = ["MemoryEstimate", "extrapolated", "kept_for_backward", "longest_planned", "note_logits", "predict_memory",
@@ -243,7 +243,7 @@ def _longest_kept(model, loss, collate, rows: list[dict], device: torch.device, 
     token lists) cut to a fraction f of its length, at f and 2f, and fitted with ``A f + B f^2`` at f = 1: the
     attention's scores grow with the square of a row's length where the kernel keeps them (a mask on a CPU). Cut in
     proportion, the rows keep their padding, which chooses the kernel; cut to evenly spaced tokens, they keep their
-    share of labelled positions, whose logits grow as 1 / f."""
+    share of labelled positions, whose logits grow as 1 / f; tiled MLPs run in as many tiles as the whole's."""
     def counted(batch: dict, grown: float = 1.0) -> _Count:
         batch = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
         noted = _noted_logits.set([])
@@ -264,7 +264,10 @@ def _longest_kept(model, loss, collate, rows: list[dict], device: torch.device, 
     if padded_tokens(whole) <= COUNTED_TOKENS:
         return counted(whole)
     fraction = COUNTED_TOKENS / 2 / padded_tokens(whole)
-    first, second = counted(cut(fraction)), counted(cut(2 * fraction), grown=1 / (2 * fraction))
+    with tiles_as_if_cut(fraction):
+        first = counted(cut(fraction))
+    with tiles_as_if_cut(2 * fraction):
+        second = counted(cut(2 * fraction), grown=1 / (2 * fraction))
 
     def fitted(at_f: int | None, at_2f: int | None) -> int | None:
         if at_f is None:

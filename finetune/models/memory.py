@@ -3,6 +3,8 @@ positions at a time, and 4-bit frozen base weights (QLoRA) through bitsandbytes.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -10,8 +12,8 @@ import torch
 
 from finetune.errors import UserError
 
-__all__ = ["checkpoint_activations", "dequantize_into", "four_bit_loading", "is_four_bit", "keep_four_bit_trainable",
-           "keep_less", "require_bitsandbytes", "tile_mlps"]
+__all__ = ["check_tiling", "checkpoint_activations", "dequantize_into", "four_bit_loading", "is_four_bit",
+           "keep_four_bit_trainable", "keep_less", "require_bitsandbytes", "tile_mlps", "tiles_as_if_cut"]
 
 
 def checkpoint_activations(model: torch.nn.Module) -> None:
@@ -31,10 +33,16 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
     base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
-def keep_less(model: torch.nn.Module, gradient_checkpointing: bool | None, tiled_mlp: bool, sharded: bool) -> None:
+def check_tiling(tiled_mlp: bool, shards_weights: bool) -> None:
+    """Raises ``UserError`` where ``--tiled_mlp`` meets weights sharded across the processes (FSDP, DeepSpeed
+    ZeRO-3): a tile's backward pass takes its weights' gradients whole."""
+    if tiled_mlp and shards_weights:
+        raise UserError("--tiled_mlp with sharded weights (--fsdp, or an accelerate config with FSDP or DeepSpeed "
+                        "ZeRO-3) is not supported; leave one of them out")
+
+
+def keep_less(model: torch.nn.Module, gradient_checkpointing: bool | None, tiled_mlp: bool) -> None:
     """The memory options a run asked for, applied to its model: ``--gradient_checkpointing``, ``--tiled_mlp``."""
-    if tiled_mlp and sharded:
-        raise UserError("--tiled_mlp with a sharded model (--fsdp) is not supported; leave one of them out")
     if gradient_checkpointing:
         checkpoint_activations(model)
     if tiled_mlp:
@@ -52,7 +60,7 @@ def tile_mlps(model: torch.nn.Module) -> None:
     function of each position, so the same outputs; gradients summed tile by tile (float32: within 1e-6).
 
     Raises:
-        UserError: the model's layers have no ``mlp`` of their own, or route each token to experts.
+        UserError: the model's layers (those transformers can wrap) hold no ``mlp``, or route tokens to experts.
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -61,22 +69,42 @@ def tile_mlps(model: torch.nn.Module) -> None:
     mlps = [layer.mlp for layer in base.modules()
             if isinstance(layer, GradientCheckpointingLayer) and isinstance(getattr(layer, "mlp", None),
                                                                             torch.nn.Module)]
-    experts = any(getattr(config, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    # a router's logits feed an auxiliary loss, which a tile run without gradients would cut off
+    experts = any(getattr(config, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts",
+                                                           "moe_num_experts")) or any(
+        hasattr(mlp, name) for mlp in mlps for name in ("experts", "router"))
     if not mlps or experts:
         raise UserError(f"--tiled_mlp: {type(base).__name__}'s layers have "
-                        f"{'experts routed per token' if experts else 'no MLP of their own (an mlp module)'}; "
-                        "leave the flag off")
+                        f"{'experts routed per token' if experts else 'no MLP transformers can reach (an mlp module)'};"
+                        " leave the flag off")
     for mlp in mlps:
         if not hasattr(mlp, "untiled_forward"):
             mlp.untiled_forward = mlp.forward
             mlp.forward = functools.partial(_tiled_forward, mlp, config.hidden_size)
 
 
+_cut_to = contextvars.ContextVar("cut_to", default=1.0)
+
+
+@contextlib.contextmanager
+def tiles_as_if_cut(fraction: float):
+    """While a micro-batch whose rows are cut to ``fraction`` of their length is counted
+    (``finetune.models.estimate``), its MLPs run in as many tiles as the whole micro-batch's would, each that much
+    shorter, so that what it keeps grows with the tokens as the whole one's does."""
+    token = _cut_to.set(fraction)
+    try:
+        yield
+    finally:
+        _cut_to.reset(token)
+
+
 def _tiled_forward(mlp: torch.nn.Module, tile: int, x: torch.Tensor) -> torch.Tensor:
-    positions = x.shape[:-1].numel()
+    positions, tile = x.shape[:-1].numel(), tile * _cut_to.get()
     if not torch.is_grad_enabled() or positions <= tile:
         return mlp.untiled_forward(x)
     weights = [parameter for parameter in mlp.parameters() if parameter.requires_grad]
+    if not (x.requires_grad or weights):  # (a frozen part of the model)
+        return mlp.untiled_forward(x)
     return _TiledMLP.apply(mlp, math.ceil(positions / tile), x, *weights)
 
 

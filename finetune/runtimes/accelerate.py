@@ -72,6 +72,11 @@ class AccelerateRuntime(Runtime):
     def shards(self) -> bool:
         return getattr(self.accelerator, "is_fsdp2", False)  # an older Accelerate has no FSDP2
 
+    @property
+    def shards_weights(self) -> bool:
+        deepspeed = self.accelerator.state.deepspeed_plugin
+        return self.shards or (deepspeed is not None and deepspeed.zero_stage == 3)
+
     def _save_trainable_only(self, models, weights, output_dir):
         # Checkpoints hold only the weights that train, under the unwrapped names (as the raw-DDP runtime).
         # DeepSpeed saves sharded states its own way, and keeps doing so.

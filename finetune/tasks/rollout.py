@@ -24,10 +24,18 @@ from finetune.checkpointing.files import replacing
 from finetune.data.batching import LENGTH, GlobalBatchSampler, PlannedBatch, pad_token_id
 from finetune.distributed.ddp import all_reduce_max, all_reduce_sum
 from finetune.distributed.fsdp import is_sharded
+from finetune.errors import UserError
 from finetune.task import CountedBatch
 from finetune.tasks.causal_lm import cache_keyword, forward_takes, reply_log_probs
 from finetune.tasks.episodes import Episode, Episodes, score_episodes, tool_figures, tool_table
-from finetune.tasks.grpo import Advantages, completion_loss_units, group_advantages, nanstd, policy_loss
+from finetune.tasks.grpo import (
+    Advantages,
+    check_whole_groups,
+    completion_loss_units,
+    group_advantages,
+    nanstd,
+    policy_loss,
+)
 from finetune.tasks.rewards import RewardFailures, RewardPool
 from finetune.tasks.scoring import RewardJudge, eval_rewards, failed_table, reward_names, score_replies
 
@@ -50,6 +58,25 @@ class RolloutSampler(GlobalBatchSampler):
                          accumulation_steps=accumulation_steps, rank=rank)
         self.num_generations, self.num_iterations = num_generations, num_iterations
         self.prompts_per_window = self.global_batch_size * accumulation_steps // num_generations
+
+    @classmethod
+    def for_run(cls, prompt_lengths, cfg, args, world_size: int) -> RolloutSampler:
+        """The plan of a run of ``TrainConfig`` ``cfg`` and ``GRPOArguments`` ``args`` on ``world_size`` processes.
+
+        Raises:
+            UserError: a step's completions over every process do not hold whole groups, or the prompts are fewer
+                than a step's.
+        """
+        check_whole_groups(cfg.per_device_train_batch_size * world_size * cfg.gradient_accumulation_steps,
+                           args.num_generations)
+        sampler = cls(prompt_lengths, cfg.per_device_train_batch_size, world_size, seed=cfg.seed,
+                      accumulation_steps=cfg.gradient_accumulation_steps, num_generations=args.num_generations,
+                      num_iterations=args.num_iterations)
+        if not sampler.windows:
+            raise UserError(f"{len(prompt_lengths)} training prompts are fewer than a step's "
+                            f"{sampler.prompts_per_window}; lower --per_device_train_batch_size or "
+                            "--gradient_accumulation_steps, or add prompts")
+        return sampler
 
     def for_rank(self, rank: int) -> RolloutSampler:
         return RolloutSampler(self.lengths, self.per_device_batch_size, self.num_replicas, seed=self.seed,
