@@ -57,7 +57,8 @@ repeat, lengths in turn.
 The recipe's runs also record the peak their start-up line predicted (``finetune.models.estimate``), and each
 length its ratio to the measured one. ``--predicted_only`` measures nothing: it runs the recipe's configuration of
 every length already in the results file with ``--prepare_only`` and records that prediction beside the measured
-peak (``predicted_now``, with the commit and date; the table shows its ratio where there is one).
+peak (``predicted_now``, with the commit and date; the table shows its ratio where there is one); with ``--configs
+finetune_tiled``, that configuration's (``predicted_now_tiled``, beside its measured peak where there is one).
 Writes ``bench/results/long.json``: every run, and each length's medians
 and ratios (taken within a repeat);
 lengths measured before and not now stay in it under ``earlier``, with their date, and ``long.md`` and ``long.png``
@@ -91,6 +92,8 @@ SIZES = {
              "num_key_value_heads": 2},
 }
 CONFIGS = ("finetune", "trl", "finetune_kept", "finetune_tiled", "finetune_full", "trl_full")
+PREDICTED_NOW = {"finetune": "predicted_now", "finetune_tiled": "predicted_now_tiled"}
+"""Where ``--predicted_only`` records the prediction of each configuration it takes (``--configs``)."""
 GPU_BF16_PEAK = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 """Dense bf16 FLOP/s from NVIDIA's data sheets (SXM parts unless named), as bench/harness.py has them."""
 
@@ -287,29 +290,29 @@ def run(config: str, train: Path, validation: Path, tokens: int, scratch: Path, 
     return figures
 
 
-def predict_again(results_file: Path, recipe: str) -> None:
-    """``--predicted_only``: each measured length's prediction by ``--prepare_only`` at this commit, beside its
-    measured peak."""
+def predict_again(results_file: Path, recipe: str, configs: list[str]) -> None:
+    """``--predicted_only``: each measured length's prediction by ``--prepare_only`` at this commit for each of
+    ``configs`` of this recipe's side, beside its measured peak where that configuration was measured."""
     results = json.loads(results_file.read_text())
     assert not results["model"].startswith("random Llama"), "the CPU suites only"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
         model = str(endless_model(scratch / "endless")) if recipe == "grpo" else None
-        for tokens, figures in lengths_measured(results).items():
+        for (tokens, figures), config in itertools.product(lengths_measured(results).items(), configs):
             train, validation = write_rows(scratch, tokens, recipe)
             (scratch / "rank0.json").unlink(missing_ok=True)  # the last length's
-            result = subprocess.run([*command("finetune", train, validation, tokens, scratch / "out", model, recipe),
+            result = subprocess.run([*command(config, train, validation, tokens, scratch / "out", model, recipe),
                                      "--prepare_only"], cwd=REPO, capture_output=True, text=True,
                                     env={**os.environ, "OMP_NUM_THREADS": "2", "BENCH_REPORT_DIR": str(scratch),
                                          "BENCH_LAUNCHED_AT": repr(time.time())})
             assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
             mib = round(json.loads((scratch / "rank0.json").read_text())["predicted_peak_mib"])
-            measured = figures["medians"]["finetune"][peak_key(results)]
-            entry = {"predicted_peak_mib": mib, "vs_measured": round(mib / measured, 3), "commit": commit.strip(),
-                     "date": time.strftime("%Y-%m-%d")}
+            measured = figures["medians"].get(config, {}).get(peak_key(results))
+            entry = {"predicted_peak_mib": mib, **({"vs_measured": round(mib / measured, 3)} if measured else {}),
+                     "commit": commit.strip(), "date": time.strftime("%Y-%m-%d")}
             where = results["summary"] if str(tokens) in results["summary"] else results["earlier"]
-            where[str(tokens)]["predicted_now"] = entry
+            where[str(tokens)][PREDICTED_NOW[config]] = entry
             print(tokens, entry, flush=True)
     results_file.write_text(json.dumps(results, indent=2) + "\n")
     results_file.with_suffix(".md").write_text(table(results))
@@ -362,9 +365,11 @@ def table(results: dict) -> str:
               for tokens, figures in lengths_measured(results).items()
               if (tiled := figures["medians"].get("finetune_tiled"))
               and "tiled_peak_memory_vs_trl" in figures["ratios"]]
-    notes += [f"- {tokens:,}: predicted {now['predicted_peak_mib']:,} MiB by `--prepare_only` at {now['commit']} "
-              f"({now['date']}; `--predicted_only`)"
-              for tokens, figures in lengths_measured(results).items() if (now := figures.get("predicted_now"))]
+    notes += [f"- {tokens:,}: {'with `--tiled_mlp`, ' if config == 'finetune_tiled' else ''}predicted "
+              f"{now['predicted_peak_mib']:,} MiB by `--prepare_only` at {now['commit']} ({now['date']}; "
+              f"`--predicted_only{'' if config == 'finetune' else ' --configs ' + config}`)"
+              for tokens, figures in lengths_measured(results).items() for config, key in PREDICTED_NOW.items()
+              if (now := figures.get(key))]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
@@ -476,7 +481,9 @@ if __name__ == "__main__":
                              "completions LENGTH tokens long, against TRL's GRPOTrainer")
     cli = parser.parse_args()
     default_file = BENCH / "results" / ("long.json" if cli.recipe == "sft" else f"long-{cli.recipe}.json")
+    if cli.predicted_only and not set(cli.configs or []) <= set(PREDICTED_NOW):
+        parser.error(f"--predicted_only takes --configs {' '.join(PREDICTED_NOW)}")
     if cli.predicted_only:
-        sys.exit(predict_again(cli.results_file or default_file, cli.recipe))
+        sys.exit(predict_again(cli.results_file or default_file, cli.recipe, cli.configs or ["finetune"]))
     main(cli.lengths, cli.repeats, cli.return_freed_memory, cli.results_file or default_file, cli.model_size,
          cli.configs, cli.recipe)

@@ -111,7 +111,8 @@ class EmbedTask:
 
     def setup(self, cfg, tokenizer, data):
         path = cfg.model_name_or_path or default_model_path()
-        base = base_pooling(path) or Pooling("mean", False)
+        wanted = self.args.pooling is None or self.args.normalize is None
+        base = (base_pooling(path) if wanted else None) or Pooling("mean", False)
         self.pooling = Pooling(self.args.pooling or base.mode,
                                base.normalize if self.args.normalize is None else self.args.normalize)
         self.max_seq_length, columns = cfg.max_seq_length, data.info["columns"]

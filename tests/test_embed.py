@@ -28,7 +28,7 @@ from helpers import (
 
 from finetune.data.batching import PlannedBatch
 from finetune.data.embedded.support_answers import make_support_answers
-from finetune.errors import run_main
+from finetune.errors import UserError, run_main
 from finetune.models.loading import default_model_path
 from finetune.models.sentence_folder import Pooling
 from finetune.predict.__main__ import main as predict
@@ -220,12 +220,16 @@ def test_the_saved_folder_is_a_sentence_transformer_that_embeds_as_the_recipe_di
 
 def test_the_base_pooling_is_read_from_a_folder_under_home_and_from_the_hub(hub, tmp_path, monkeypatch):
     """A sentence-transformers base named by ``~/...`` or by its Hub id keeps its pooling and normalisation (the
-    default MiniLM's: mean, normalised); a plain model and a Hub id that is no repository have none."""
+    default MiniLM's: mean, normalised); a plain model and a Hub id that is no repository have none; where the Hub
+    cannot say (offline, nothing cached) or the file is no JSON, one error naming the fix, not a guess."""
     from finetune.models.sentence_folder import base_pooling
 
     monkeypatch.setenv("HOME", str(tmp_path))
     shutil.copytree(default_model_path(), tmp_path / "minilm")
     assert base_pooling("~/minilm") == Pooling("mean", True)
+    (tmp_path / "minilm" / "modules.json").write_text('[{"type": "sentence_transformers.models.Pooling"')
+    with pytest.raises(UserError, match=r"minilm/modules.json is no JSON .*; fix or remove it"):
+        base_pooling("~/minilm")
     (tmp_path / "minilm" / "modules.json").unlink()
     assert base_pooling("~/minilm") is None
     upload_and_read = (
@@ -236,6 +240,12 @@ def test_the_base_pooling_is_read_from_a_folder_under_home_and_from_the_hub(hub,
         "print(base_pooling('alice/minilm'), base_pooling('alice/no-such-model'))")
     printed = run([sys.executable, "-c", upload_and_read], env=hub.env).stdout.strip().splitlines()[-1]
     assert printed == "Pooling(mode='mean', normalize=True) None"
+    read_offline = ("from finetune.models.sentence_folder import base_pooling\n"
+                    "try:\n    print(base_pooling('alice/minilm'))\nexcept Exception as error:\n    print(repr(error))")
+    offline = {**hub.env, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "nothing-cached")}
+    printed = run([sys.executable, "-c", read_offline], env=offline).stdout.strip().splitlines()[-1]
+    assert printed.startswith("UserError('alice/minilm: its modules.json, which says how it pools, could not be read")
+    assert "give --pooling and --normalize true/false" in printed
 
 
 def test_scored_pairs_train_with_cosent_and_report_correlations(tiny_bert, tmp_path):

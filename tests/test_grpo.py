@@ -630,7 +630,7 @@ def run_on_refused(model, out, *flags):
     (["--epsilon_high", "0.1"], ["--epsilon_high 0.1 is below --epsilon 0.2"]),
     (["--reward_weights", "1", "2"], ["2 --reward_weights for 1 --reward_funcs"]),
     (["--eval_generate", "3"], ["--eval_generate is the chat recipe's", "--max_completion_length"]),
-    (["--max_new_tokens", "100"], ["--max_new_tokens is the chat recipe's", "--max_completion_length"]),
+    (["--max_new_tokens", "48"], ["--max_new_tokens is the chat recipe's", "--max_completion_length"]),
 ])
 def test_bad_input_is_refused_in_one_line_before_training(flags, expected, tiny_chat_model, rewards, tmp_path):
     flags = [flag.format(rewards=rewards) for flag in flags]

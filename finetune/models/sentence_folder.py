@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import huggingface_hub
-from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+from huggingface_hub.errors import HFValidationError, RemoteEntryNotFoundError, RepositoryNotFoundError
 
 from finetune.checkpointing.checkpoint import save_model
+from finetune.errors import UserError
 
 __all__ = ["Pooling", "base_pooling", "save_sentence_transformer"]
 
@@ -31,12 +32,16 @@ class Pooling:
 def base_pooling(name_or_path: str | Path | None) -> Pooling | None:
     """The pooling of the sentence-transformers model ``name_or_path``, a folder (``~`` expanded) or a Hub id (read
     as transformers reads the model: from the cache when offline); None for a plain model or a pooling this package
-    does not compute."""
+    does not compute.
+
+    Raises:
+        UserError: the Hub could not say (offline and not cached, no network), or a file is no JSON of its kind.
+    """
     if name_or_path is None:
         return None
-    modules = _json_file(name_or_path, "modules.json")
-    pooling = next((m for m in modules or [] if m.get("type") == _MODULE + "Pooling"), None)
-    config = pooling and _json_file(name_or_path, f"{pooling['path']}/config.json")
+    modules = _json_file(name_or_path, "modules.json", list)
+    pooling = next((m for m in modules or [] if isinstance(m, dict) and m.get("type") == _MODULE + "Pooling"), None)
+    config = pooling and _json_file(name_or_path, f"{pooling.get('path', '')}/config.json".lstrip("/"), dict)
     if not config:
         return None
     modes = [mode for mode, key in _MODES.items() if config.get(key)]
@@ -44,19 +49,32 @@ def base_pooling(name_or_path: str | Path | None) -> Pooling | None:
               and key not in _MODES.values()]
     if len(modes) != 1 or others:
         return None
-    return Pooling(modes[0], any(m.get("type") == _MODULE + "Normalize" for m in modules))
+    return Pooling(modes[0], any(isinstance(m, dict) and m.get("type") == _MODULE + "Normalize" for m in modules))
 
 
-def _json_file(name_or_path: str | Path, name: str):
+def _json_file(name_or_path: str | Path, name: str, kind: type):
     folder = Path(name_or_path).expanduser()
     if folder.is_dir():
         path = folder / name
     else:
         try:
             path = Path(huggingface_hub.hf_hub_download(str(name_or_path), name))
-        except (HfHubHTTPError, HFValidationError, OSError):  # no such repo or file; offline and not cached
-            return None
-    return json.loads(path.read_text()) if path.is_file() else None
+        except (RemoteEntryNotFoundError, RepositoryNotFoundError, HFValidationError):
+            return None  # a plain model; no repository or Hub id at all, which loading the model reports
+        except OSError as error:  # guessing would save an embedder that pools unlike its base
+            raise UserError(f"{name_or_path}: its {name}, which says how it pools, could not be read "
+                            f"({type(error).__name__}: offline and not cached?); give --pooling and --normalize "
+                            "true/false, or run once online") from error
+    if not path.is_file():
+        return None
+    try:
+        content = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{path} is no JSON ({error}); fix or remove it") from error
+    if not isinstance(content, kind):
+        raise UserError(f"{path} holds a {type(content).__name__} where sentence-transformers writes a "
+                        f"{kind.__name__}; fix or remove it")
+    return content
 
 
 def save_sentence_transformer(model, state_dict: dict, tokenizer, output_dir: str, pooling: Pooling,

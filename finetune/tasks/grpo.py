@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import datasets
 import numpy as np
@@ -51,6 +51,10 @@ class GRPOArguments(ChatModelArguments):
     """The GRPO recipe's options (TRL's names), checked before anything heavy loads: the reward functions' specs
     (their modules are imported only in the reward workers), with their ``weights``."""
 
+    eval_generate: int | None = arg(None, "The chat recipe's; GRPO's evaluation samples a completion for every "
+                                          "validation prompt.")
+    max_new_tokens: int | None = arg(None, "The chat recipe's; GRPO's evaluation samples completions of up to "
+                                           "--max_completion_length tokens.")
     reward_funcs: list[str] = arg([], "Reward functions, each module:function (a module name or a .py file), with "
                                       "TRL's signature.")
     reward_weights: list[float] = arg([], "A weight per reward function (default 1 each); a completion's reward is "
@@ -110,8 +114,7 @@ class GRPOArguments(ChatModelArguments):
             raise UserError(f"{len(self.reward_weights)} --reward_weights for {len(self.reward_funcs)} --reward_funcs; "
                             "give one weight each")
         self.weights = np.array(self.reward_weights or [1.0] * len(self.reward_funcs))
-        reply_length = next(field.default for field in fields(self) if field.name == "max_new_tokens")
-        if self.eval_generate is not None or self.max_new_tokens != reply_length:
+        if self.eval_generate is not None or self.max_new_tokens is not None:
             given = "--eval_generate" if self.eval_generate is not None else "--max_new_tokens"
             raise UserError(f"{given} is the chat recipe's: GRPO's evaluation samples a completion of up to "
                             "--max_completion_length tokens for every validation prompt and scores it; leave it out")
