@@ -26,7 +26,7 @@ from finetune.data.sources import load_splits
 from finetune.errors import UserError, run_main
 from finetune.models.loading import default_model_path, load_encoder_tokenizer
 from finetune.models.lora import LoraArguments
-from finetune.models.sentence_folder import Pooling, base_pooling, save_sentence_transformer
+from finetune.models.sentence_folder import pooling_for, save_sentence_transformer
 from finetune.recipe import run_recipe
 from finetune.task import ModelCardInfo, TaskSetup
 from finetune.tasks.embedding import (
@@ -34,6 +34,7 @@ from finetune.tasks.embedding import (
     Objective,
     collate_texts,
     load_encoder,
+    merged_encoder,
     pair_metrics,
     pair_predictions,
     row_embeddings,
@@ -111,10 +112,7 @@ class EmbedTask:
 
     def setup(self, cfg, tokenizer, data):
         path = cfg.model_name_or_path or default_model_path()
-        wanted = self.args.pooling is None or self.args.normalize is None
-        base = (base_pooling(path) if wanted else None) or Pooling("mean", False)
-        self.pooling = Pooling(self.args.pooling or base.mode,
-                               base.normalize if self.args.normalize is None else self.args.normalize)
+        self.pooling = pooling_for(path, self.args.pooling, self.args.normalize)
         self.max_seq_length, columns = cfg.max_seq_length, data.info["columns"]
         self.cached = CachedGradients(Objective(self.args.loss, self.args.scale, self.args.symmetric,
                                                 self.args.triplet_margin), self.pooling, len(columns))
@@ -146,9 +144,7 @@ class EmbedTask:
 
     def save(self, model, state_dict, tokenizer, output_dir):
         if self.args.use_lora:  # merged into a fresh copy of the base: the trained model may be sharded
-            adapted = load_encoder(self.path, self.trust_remote_code, self.args)
-            adapted.load_state_dict(state_dict)
-            model = adapted.merge_and_unload()
+            model = merged_encoder(self.path, self.trust_remote_code, self.args, state_dict)
             state_dict = model.state_dict()
         save_sentence_transformer(model, state_dict, tokenizer, output_dir, self.pooling, self.max_seq_length)
 

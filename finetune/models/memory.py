@@ -55,8 +55,8 @@ def tile_mlps(model: torch.nn.Module) -> None:
     Sequence Training's tiled MLP). The MLP's intermediate activations, its widest, are then a tile's at most: on
     long rows the largest share of what a recomputed layer holds, for a third forward of the MLP.
 
-    A tile is as many positions as the model's hidden size (so a tile's intermediate activations are about the
-    size of one of the MLP's weights); a micro-batch with no more positions runs the MLP whole. The same
+    A tile is as many positions as the model's hidden size (so a tile's intermediate activations are four tensors
+    each the size of one of the MLP's weights); a micro-batch with no more positions runs the MLP whole. The same
     function of each position, so the same outputs; gradients summed tile by tile (float32: within 1e-6).
 
     Raises:

@@ -14,7 +14,7 @@ from huggingface_hub.errors import HFValidationError, RemoteEntryNotFoundError, 
 from finetune.checkpointing.checkpoint import save_model
 from finetune.errors import UserError
 
-__all__ = ["Pooling", "base_pooling", "save_sentence_transformer"]
+__all__ = ["Pooling", "base_pooling", "pooling_for", "save_sentence_transformer"]
 
 _MODES = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
           "lasttoken": "pooling_mode_lasttoken"}
@@ -50,6 +50,13 @@ def base_pooling(name_or_path: str | Path | None) -> Pooling | None:
     if len(modes) != 1 or others:
         return None
     return Pooling(modes[0], any(isinstance(m, dict) and m.get("type") == _MODULE + "Normalize" for m in modules))
+
+
+def pooling_for(name_or_path: str | Path, mode: str | None, normalize: bool | None) -> Pooling:
+    """The pooling a run asks for: ``mode`` and ``normalize`` where given, else the base model's (``base_pooling``,
+    read only where one of them is not given), else mean, not normalised."""
+    base = (base_pooling(name_or_path) if mode is None or normalize is None else None) or Pooling("mean", False)
+    return Pooling(mode or base.mode, base.normalize if normalize is None else normalize)
 
 
 def _json_file(name_or_path: str | Path, name: str, kind: type):

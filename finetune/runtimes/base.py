@@ -58,14 +58,14 @@ class Runtime(ABC):
     device: torch.device
     shards = False
     """Whether each process holds only its shard of the weights and optimizer state (FSDP)."""
+    _cpu_group_handle = None
+    _trackers: Trackers | None = None
 
     @property
     def shards_weights(self) -> bool:
         """Whether each process holds only its shard of the weights, by this runtime (FSDP) or an engine it hands
         the model to (DeepSpeed ZeRO-3)."""
         return self.shards
-    _cpu_group_handle = None
-    _trackers: Trackers | None = None
 
     @property
     def is_main_process(self) -> bool:

@@ -27,8 +27,8 @@ from finetune.models.lora import LoraArguments, add_lora
 from finetune.models.sentence_folder import Pooling
 from finetune.tasks.metrics import correlations, retrieval_metrics
 
-__all__ = ["CachedGradients", "Objective", "collate_texts", "corpus_ids", "embed", "load_encoder", "pair_metrics",
-           "pair_predictions", "row_embeddings", "tokenize_pairs", "tokenize_text_rows"]
+__all__ = ["CachedGradients", "Objective", "collate_texts", "corpus_ids", "embed", "load_encoder", "merged_encoder",
+           "pair_metrics", "pair_predictions", "row_embeddings", "tokenize_pairs", "tokenize_text_rows"]
 
 @dataclass(frozen=True)
 class Objective:
@@ -71,6 +71,14 @@ def load_encoder(path: str, trust_remote_code: bool, lora: LoraArguments | None)
         if ".pooler." in f".{name}":
             parameter.requires_grad_(False)
     return model
+
+
+def merged_encoder(path: str, trust_remote_code: bool, lora: LoraArguments, state_dict: dict) -> torch.nn.Module:
+    """The encoder at ``path`` with the trained ``state_dict`` of its LoRA adapters (``lora``'s settings, on a copy
+    ``load_encoder`` makes) folded into its weights."""
+    adapted = load_encoder(path, trust_remote_code, lora)
+    adapted.load_state_dict(state_dict)
+    return adapted.merge_and_unload()
 
 
 def embed(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
