@@ -28,9 +28,9 @@ from finetune.errors import UserError
 __all__ = ["TrainConfig", "arg", "parse_config"]
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-              "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
-              "warmup_stable_decay", "greedy")
-"""``transformers.SchedulerType`` values, spelled out so that checking a flag does not import torch."""
+              "inverse_sqrt")
+"""The ``transformers.SchedulerType`` values that need nothing but the warmup and the number of steps (the others
+need a metric or options no flag passes), spelled out so that checking a flag does not import torch."""
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 """What ``--report_to`` may name, each also the package that must be installed for it."""
@@ -74,7 +74,7 @@ class TrainConfig:
     num_train_epochs: int = arg(2, "Passes over the training data.")
     max_train_steps: int | None = arg(None, "Optimizer steps in total; overrides --num_train_epochs when set.")
     gradient_accumulation_steps: int = arg(1, "Micro-steps per optimizer step.")
-    lr_scheduler_type: str = arg("linear", "Any name transformers.get_scheduler accepts (linear, cosine, ...).")
+    lr_scheduler_type: str = arg("linear", f"One of transformers' schedules: {', '.join(SCHEDULERS)}.")
     num_warmup_steps: int = arg(0, "Optimizer steps of linear warm-up.")
     max_grad_norm: float = arg(1.0, "Clip the global gradient norm to this; 0 turns clipping off.")
     seed: int = arg(42, "Seed for shuffling, dropout and newly initialised weights.")
@@ -158,8 +158,8 @@ class TrainConfig:
         if not 0 <= self.seed < 2**32:  # what numpy's seeding takes
             raise UserError(f"--seed is {self.seed}; give a whole number from 0 to {2**32 - 1}")
         if self.lr_scheduler_type not in SCHEDULERS:
-            raise UserError(
-                f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown; use one of {', '.join(SCHEDULERS)}")
+            raise UserError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown, or needs a metric or options "
+                            f"no flag passes; use one of {', '.join(SCHEDULERS)}")
         if self.checkpointing_steps is not None and self.checkpointing_steps != "epoch" and not (
             self.checkpointing_steps.isdigit() and int(self.checkpointing_steps) > 0
         ):

@@ -153,11 +153,11 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
                         evaluation, progress_bar, schedule.max_steps,
                         TrainingMeter(runtime.device, runtime.reduce_sum, getattr(task, "logged_figures", ())))
         for epoch in range(progress.epoch, schedule.num_epochs):
+            if progress.global_step >= schedule.max_steps:  # (also a run resumed from its last step's checkpoint)
+                break
             epochs.run(epoch)
             metrics, _ = evaluation.at(progress.global_step)  # --eval_steps may have just evaluated this model
             runtime.print(f"epoch {epoch}: {_described(metrics)}")
-            if progress.global_step >= schedule.max_steps:
-                break
         progress_bar.close()
 
         # -- save: every process reaches this point, the main process writes the unwrapped model (a run resumed
@@ -257,7 +257,8 @@ class Epochs:
             if self.runtime.sync_gradients:
                 if self.cfg.max_grad_norm > 0:  # clip the gradient; its norm before clipping is logged
                     self.grad_norm = self.runtime.clip_grad_norm_(self.model, self.cfg.max_grad_norm)
-                    self.guard.note(self.grad_norm)
+                    if self.grad_norm is not None:
+                        self.guard.note(self.grad_norm)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad()

@@ -44,8 +44,9 @@ class DPOArguments(causal_lm.ChatModelArguments):
                                       "in [0, 0.5).")
     eval_generate: int = arg(0, "Greedy replies to the first N validation prompts at each evaluation (default none, "
                                 "which keeps the default run short).")
-    lora_dropout: float = arg(0.0, "Dropout on the LoRA input: off by default, as TRL's DPO turns dropout off, so "
-                                   "that the policy's log-probabilities compare with the reference's, taken without.")
+    lora_dropout: float = arg(0.0, "Dropout on the LoRA input: off by default, as TRL's DPO turns dropout off (the "
+                                   "model's own always), so that the policy's log-probabilities compare with the "
+                                   "reference's, taken without.")
     precompute_ref_log_probs: bool = arg(False, "Compute the reference's log-probabilities of every training pair "
                                                 "once, before the first step (each pair once over all processes), and "
                                                 f"keep them in OUTPUT/{REFERENCE_FILE} for a resumed run.")

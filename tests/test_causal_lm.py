@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from helpers import VOCAB, padded_batch, tiny_causal_lm, whole_rows_batch
@@ -19,6 +21,10 @@ from finetune.tasks.causal_lm import (
     summed_log_probs,
 )
 from finetune.tasks.chat import IGNORE
+
+CONFIGS = [LlamaConfig, Gemma2Config, functools.partial(Gemma2Config, sliding_window=4)]
+"""Llama's layers attend to every column before; Gemma 2's alternate with a sliding window (4,096 columns; then 4,
+which the padding after a short prompt would fill: the replies to a prompt run once must run on from their own)."""
 
 
 def whole_batch_log_probs(model, batch: dict) -> torch.Tensor:
@@ -131,7 +137,7 @@ def test_evaluation_is_the_same_whatever_the_token_budget():
             assert counts.tolist() == [n - 3 for n in lengths]
 
 
-@pytest.mark.parametrize("config_class", [LlamaConfig, Gemma2Config])
+@pytest.mark.parametrize("config_class", CONFIGS, ids=["llama", "gemma2", "gemma2-window-4"])
 def test_a_prompt_run_once_for_its_replies_scores_them_as_whole_rows_do(config_class):
     model = tiny_causal_lm(config_class)
     generator = torch.Generator().manual_seed(2)
@@ -152,7 +158,7 @@ def test_a_prompt_run_once_for_its_replies_scores_them_as_whole_rows_do(config_c
             torch.testing.assert_close(shared_prompt_log_probs(model, shared, budget), whole_rows, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("config_class", [LlamaConfig, Gemma2Config])
+@pytest.mark.parametrize("config_class", CONFIGS, ids=["llama", "gemma2", "gemma2-window-4"])
 def test_replies_trained_from_their_prompt_s_shared_pass_get_the_whole_rows_log_probs_and_gradients(config_class):
     """GRPO's layout: a prompt run once for its completions, 1 to 3 of them, of lengths 1 to 7, in training mode
     with LoRA; per-token log-probabilities and the gradient of any weighting of them equal whole rows'."""

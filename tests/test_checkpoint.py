@@ -246,14 +246,20 @@ def progress(world_size, batch, accumulation, **position):
 
 def test_another_world_size_resumes_when_the_global_batch_is_kept(tmp_path):
     saved = progress(2, 4, 2, global_step=5, epoch=1, batches_in_epoch=4, seed=7)
-    resumed = resumed_progress(saved, progress(1, 8, 2), tmp_path, batches_per_rank=6)
+    resumed = resumed_progress(saved, progress(1, 8, 2, seed=7), tmp_path, batches_per_rank=6)
     assert resumed == progress(1, 8, 2, global_step=5, epoch=1, batches_in_epoch=4, seed=7)
     # Another split of the same 16 examples a step: the position carries over in optimizer steps (2 done).
-    assert resumed_progress(saved, progress(2, 8, 1), tmp_path, batches_per_rank=3).batches_in_epoch == 2
-    assert resumed_progress(saved, progress(1, 4, 4), tmp_path, batches_per_rank=11).batches_in_epoch == 8
+    assert resumed_progress(saved, progress(2, 8, 1, seed=7), tmp_path, batches_per_rank=3).batches_in_epoch == 2
+    assert resumed_progress(saved, progress(1, 4, 4, seed=7), tmp_path, batches_per_rank=11).batches_in_epoch == 8
     # At the end of an epoch with a short last window, the end of the epoch in the new split.
     end = progress(1, 4, 4, global_step=3, batches_in_epoch=11)
     assert resumed_progress(end, progress(2, 8, 1), tmp_path, batches_per_rank=3).batches_in_epoch == 3
+
+
+def test_another_seed_is_refused_since_the_order_of_the_data_depends_on_it(tmp_path):
+    with pytest.raises(UserError, match=r"written by a run with --seed 7 and this run has --seed 0; the order of the "
+                                        r"data depends on it, so resume with --seed 7"):
+        resumed_progress(progress(1, 8, 1, seed=7), progress(1, 8, 1), tmp_path, batches_per_rank=3)
 
 
 @pytest.mark.parametrize(("run", "advice"), [

@@ -144,18 +144,25 @@ def test_resume_mid_epoch_two_gives_the_uninterrupted_weights(small_data, tiny_b
     assert log_history(resumed)[0]["loss"] == history[16]["loss"], "dropout drew the uninterrupted run's masks"
 
 
-def test_resuming_from_the_final_checkpoint_saves_the_same_model(small_data, tiny_bert, tmp_path):
+@pytest.mark.parametrize(("flags", "steps", "epoch"), [
+    (["--checkpointing_steps", "epoch"], 6, 1),  # 42 examples in batches of 8: 6 steps, the epoch's end
+    (["--checkpointing_steps", "2", "--max_train_steps", "4"], 4, 0),  # the last step within the epoch
+], ids=["epoch-end", "mid-epoch"])
+def test_resuming_from_the_final_checkpoint_saves_the_same_model(small_data, tiny_bert, tmp_path, flags, steps,
+                                                                 epoch):
+    """A run resumed from the checkpoint of its last step (its final save cut short) trains no step more."""
     common = classify_flags(small_data, tiny_bert, "--per_device_train_batch_size", "8", "--num_train_epochs", "1")
     first = tmp_path / "first"
-    train_here("classify", *common, "--output_dir", str(first), "--checkpointing_steps", "epoch")
-    final_checkpoint = first / "checkpoints" / "step_6"  # 42 examples in batches of 8: 6 steps
-    assert json.loads((final_checkpoint / "progress.json").read_text())["epoch"] == 1
+    train_here("classify", *common, "--output_dir", str(first), *flags)
+    final_checkpoint = first / "checkpoints" / f"step_{steps}"
+    assert json.loads((final_checkpoint / "progress.json").read_text())["epoch"] == epoch
 
     again = tmp_path / "again"
-    train_here("classify", *common, "--output_dir", str(again), "--resume_from_checkpoint", str(final_checkpoint))
+    train_here("classify", *common, "--output_dir", str(again), *flags[2:], "--resume_from_checkpoint",
+               str(final_checkpoint))
     assert max_weight_diff(first, again) == 0.0
     assert read_predictions(again) == read_predictions(first)
-    assert read_results(again)["global_step"] == 6
+    assert read_results(again)["global_step"] == steps
 
 
 def test_gradient_checkpointing_trains_exactly_as_keeping_the_activations(small_data, tiny_bert, tmp_path):

@@ -42,10 +42,23 @@ def test_no_group_by_length_flag_turns_grouping_off():
     assert parse(["--no_group_by_length"])[0].group_by_length is False
 
 
-def test_the_schedulers_checked_are_transformers_own():
-    from transformers import SchedulerType
+def test_the_schedulers_checked_are_transformers_own_that_run_on_warmup_and_steps_alone():
+    import torch
+    from transformers import SchedulerType, get_scheduler
 
-    assert list(SCHEDULERS) == [s.value for s in SchedulerType]
+    def two_steps(name):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        scheduler = get_scheduler(name, optimizer, num_warmup_steps=1, num_training_steps=10)
+        for _ in range(2):
+            optimizer.step()
+            scheduler.step()  # as the loop calls it
+        return optimizer.param_groups[0]["lr"]
+
+    assert set(SCHEDULERS) < {s.value for s in SchedulerType}
+    assert all(two_steps(name) > 0 for name in SCHEDULERS)
+    for name in {s.value for s in SchedulerType} - set(SCHEDULERS):
+        with pytest.raises((TypeError, ValueError)):
+            two_steps(name)
 
 
 @pytest.mark.parametrize(
@@ -71,11 +84,12 @@ BAD_VALUES = [
     ("per_device_train_batch_size", "0", "must be a positive whole number"),
     ("checkpointing_steps", "often", "positive number of steps or 'epoch'"),
     ("lr_scheduler_type", "triangle", "is unknown"),
+    ("lr_scheduler_type", "reduce_lr_on_plateau", "needs a metric or options no flag passes; use one of linear, "),
     ("learning_rate", "fast", "invalid float value: 'fast'"),
 ]
 
 
-@pytest.mark.parametrize(("key", "value", "message"), BAD_VALUES, ids=[v[0] for v in BAD_VALUES])
+@pytest.mark.parametrize(("key", "value", "message"), BAD_VALUES, ids=[f"{v[0]}-{v[1]}" for v in BAD_VALUES])
 def test_a_bad_value_is_refused_alike_from_yaml_and_the_command_line(tmp_path, key, value, message):
     with pytest.raises(UserError, match=message):
         parse([f"--{key}", value])

@@ -127,6 +127,24 @@ def test_the_first_step_logs_ln_2_and_zero_rewards_and_a_frozen_copy_is_the_refe
     assert not (out / "adapter_config.json").exists() and (out / "model.safetensors").is_file()
 
 
+def test_the_policy_trains_without_its_dropout_as_trl_s_so_the_first_step_logs_ln_2(chat_tokenizer, pair_files,
+                                                                                       tmp_path):
+    """A GPT-2 (dropout 0.1 on its embeddings, attention and residuals) trains with it off, as TRL's DPOTrainer
+    (``disable_dropout``): before any step the policy's log-probabilities are the reference's, taken without."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(chat_tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=1024,
+                               bos_token_id=1, eos_token_id=2, pad_token_id=2)).save_pretrained(model)
+    chat_tokenizer.save_pretrained(model)
+    out = tmp_path / "out"
+    run_on("dpo", model, pair_files, out, "--max_train_steps", "1", "--no_use_lora", "--per_device_train_batch_size",
+           "4")
+    first = log_history(out)[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-7) and first["rewards_margin"] == 0.0, first
+
+
 def test_gradient_checkpointing_trains_exactly_as_keeping_the_activations(tiny_model, pair_files, tmp_path):
     """The reference (the adapters off, without gradients) is not recomputed; the policy's layers keep no KV cache
     when recomputed, so each reply runs as one row with its prompt, to the values of the shared prompt pass."""

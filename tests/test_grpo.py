@@ -31,6 +31,7 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
+from finetune.data.batching import PlannedBatch
 from finetune.data.embedded.support_chats import make_support_prompts
 from finetune.errors import UserError
 from finetune.tasks.grpo import (
@@ -273,6 +274,42 @@ def test_a_completion_depends_on_its_prompt_and_seed_not_on_what_shares_its_batc
     assert sample_completions(model, [short, long], [1, 1], [5, 1], **options) == [together[4], together[0]]
     assert len({tuple(c) for c in together[:3]}) == 3, "the same prompt, other seeds: other completions"
     assert model.training, "sampling leaves the model's mode as it found it"
+
+
+def test_a_model_deepspeed_zero3_partitioned_samples_in_step_with_the_other_processes(chat_tokenizer, monkeypatch):
+    """Under DeepSpeed ZeRO-3, as under FSDP, each forward gathers the weights from every process: at each step
+    sampling asks whether a row of any process still samples, not only its own, so none waits on a gather the
+    others never join. ZeRO-3 marks its parameters with a ``ds_id`` (DeepSpeed's own ``is_zero_param`` reads it;
+    DeepSpeed itself is not installed here)."""
+    import finetune.tasks.rollout as rollout
+
+    model = tiny_llama(chat_tokenizer)
+    model.generation_config.eos_token_id = [2]
+    asked = []
+    monkeypatch.setattr(rollout, "all_reduce_max", lambda tensor: asked.append(tensor) or tensor.clone())
+    options = dict(max_new_tokens=6, temperature=1.0, top_p=1.0, pad_token_id=2)
+    alone = sample_completions(model, [chat_tokenizer.encode("a b")], [1], [1], **options)
+    assert asked == []
+    next(model.parameters()).ds_id = 0
+    assert sample_completions(model, [chat_tokenizer.encode("a b")], [1], [1], **options) == alone
+    assert len(asked) == len(alone[0]) > 0
+
+
+def test_a_resumed_rollout_is_trained_on_only_where_every_process_kept_its_own(tmp_path, monkeypatch):
+    """A process that crashed between two windows may have kept the older rollout while another kept the newer:
+    resumed, each must sample again (sampling and scoring take part in collectives) rather than one train on its
+    kept rollout while another samples. The other process is stood in for by its answer to the all-reduce."""
+    import finetune.tasks.rollout as rollout
+
+    rollouts = rollout.Rollouts.__new__(rollout.Rollouts)
+    rollouts.kept = tmp_path / "rollout-rank0.pt"
+    planned = PlannedBatch([0, 1], 2, 2, 0.5, 3, (4, 5))
+    rollouts._keep(["key"], [({"input_ids": torch.arange(6).view(2, 3)}, planned)])
+    [(batch, again)] = rollouts._kept_rollout(["key"], torch.device("cpu"))
+    assert batch["input_ids"].tolist() == [[0, 1, 2], [3, 4, 5]] and (again, vars(again)) == (planned, vars(planned))
+    monkeypatch.setattr(rollout, "all_reduce_max", lambda flag: torch.ones_like(flag))  # another has none
+    with pytest.warns(UserWarning, match="on this process or another"):
+        assert rollouts._kept_rollout(["key"], torch.device("cpu")) is None
 
 
 STOPS = [2, 2716, 4201, 13504]

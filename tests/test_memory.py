@@ -439,6 +439,47 @@ def test_tiled_mlps_keep_their_input_alone_and_train_as_the_whole_mlp(lora_dropo
         assert kept <= kept_by_tiles - 2 * 4 * 60 * 64 * 4, (kept, kept_by_tiles)
 
 
+def test_a_tiled_mlp_s_backward_is_counted_one_tile_at_a_time():
+    """The backward pass of --tiled_mlp runs each tile's MLP again and holds what that keeps until the tile's
+    gradients are taken: the prediction adds as many bytes as each tile's recompute keeps in a real backward pass
+    (counted as it runs: 2 layers x 12 tiles of 32 positions, LoRA's dropout masks included), once."""
+    generator = torch.Generator().manual_seed(0)
+    rows = {"input_ids": [torch.randint(1, 500, (192,), generator=generator).tolist() for _ in range(2)]}
+    rows["labels"] = [[IGNORE] * 10 + ids[10:] for ids in rows["input_ids"]]
+    train_set = TokenizedDataset.from_dict(rows)
+    model = adapted(0.1)
+    tile_mlps(model)
+
+    def loss(model, batch):  # transformers' own, which recomputes nothing in the backward pass but the tiles
+        return model(**batch).loss
+
+    estimate = predict_memory(model, longest_planned(train_set, [[0, 1]], collate_padded, loss), torch.device("cpu"),
+                              1, checkpointing=False)
+    held = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    hooks = [mlp.register_forward_pre_hook(lambda mlp, args: held.add(args[0].untyped_storage().data_ptr()))
+             for mlp in model.modules() if hasattr(mlp, "untiled_forward")]
+    backward = loss(model, collate_padded([train_set[0], train_set[1]]))
+    for hook in hooks:
+        hook.remove()
+    alive, kept_by_tiles = {}, 0
+
+    def count(tensor):
+        nonlocal kept_by_tiles
+        address = tensor.untyped_storage().data_ptr()
+        if address not in held and (address not in alive or alive[address].expired()):
+            alive[address] = StorageWeakRef(tensor.untyped_storage())
+            kept_by_tiles += tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
+        backward.backward()
+    # at least each tile's gate, up, their product and the activation: 32 positions x 64 x 4 bytes
+    assert estimate.tile * 2 * 12 == kept_by_tiles and estimate.tile >= 4 * 32 * 64 * 4, (estimate.tile, kept_by_tiles)
+    assert estimate.peak == (estimate.in_use + estimate.gradients + estimate.optimizer + estimate.logits
+                             + estimate.activations + estimate.tile)
+    assert ", 0 MiB for an MLP tile's backward" in estimate.line()  # (the tiny model's: tens of kB)
+
+
 def test_a_model_without_mlps_in_its_layers_is_refused_tiling():
     from transformers import BertConfig, BertModel
 

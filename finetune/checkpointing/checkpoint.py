@@ -174,14 +174,18 @@ def resumed_progress(saved: Progress, run: Progress, folder: Path, batches_per_r
     epoch, in micro-batches per process, carries over through the optimizer steps done.
 
     Raises:
-        UserError: the global batch would change (the message names the per-device batch or accumulation
-            that keeps it), another world size resumes a checkpoint that does not record its batch, or the frozen
-            weights differ (another base model of the same shapes, which loading the trained weights would not show).
+        UserError: the global batch or the seed would change (the message names the per-device batch or
+            accumulation that keeps it), another world size resumes a checkpoint that does not record its batch,
+            or the frozen weights differ (another base model of the same shapes, which loading the trained weights
+            would not show).
     """
     if saved.frozen_weights and saved.frozen_weights != run.frozen_weights:
         raise UserError(f"{folder} was trained on other frozen weights than this run's model (another base model, "
                         "or another version of it): the weights it holds were trained for that one; resume with the "
                         "--model_name_or_path it was started with")
+    if saved.seed != run.seed:
+        raise UserError(f"{folder} was written by a run with --seed {saved.seed} and this run has --seed {run.seed}; "
+                        f"the order of the data depends on it, so resume with --seed {saved.seed}")
     current = {"world_size": run.world_size, "runtime": run.runtime,
                "per_device_train_batch_size": run.per_device_train_batch_size,
                "gradient_accumulation_steps": run.gradient_accumulation_steps, "frozen_weights": run.frozen_weights}

@@ -139,8 +139,11 @@ def generate_in_lockstep(model: torch.nn.Module) -> None:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``shard_model`` (or Accelerate's FSDP2) sharded ``model``."""
-    return any(isinstance(module, FSDPModule) for module in model.modules())
+    """Whether ``model``'s weights are split across the processes, so that each forward gathers them from all:
+    by ``shard_model`` or Accelerate's FSDP2, or by DeepSpeed ZeRO-3 under Accelerate (its parameters carry a
+    ``ds_id``, which is what DeepSpeed's own ``is_zero_param`` reads)."""
+    return (any(isinstance(module, FSDPModule) for module in model.modules())
+            or any(hasattr(parameter, "ds_id") for parameter in model.parameters()))
 
 
 def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:

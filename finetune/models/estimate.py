@@ -45,14 +45,16 @@ def note_logits(positions: int, per_chunk: int, vocabulary: int, cast_weight: in
         noted.append((positions, per_chunk, vocabulary, cast_weight))
 
 
-def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module, layer_calls: list | None = None) -> int:
+def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module, layer_calls: list | None = None,
+                      held: Iterable[torch.Tensor] = ()) -> int:
     """The bytes ``forward()`` would leave kept for a backward pass: every tensor autograd saves (each storage once,
-    the weights not counted), and the input of each checkpointed layer, which the recompute holds outside autograd.
-    ``layer_calls`` gets ``(layer, tokens)`` for each call of a checkpointed layer with gradients, in order.
+    neither the weights nor the tensors ``held`` anyway counted), and the input of each checkpointed layer, which
+    the recompute holds outside autograd. ``layer_calls`` gets ``(layer, tokens)`` for each call of a checkpointed
+    layer with gradients, in order.
 
     Counted, not kept: each saved tensor is dropped as it is counted, so the count needs no more memory than a
     forward pass without gradients, and its graph can run no backward pass."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weights = {tensor.untyped_storage().data_ptr() for tensor in itertools.chain(model.parameters(), held)}
     alive: dict[int, StorageWeakRef] = {}  # counted storages by address, while they live (an address is reused)
     kept = 0
 
@@ -107,10 +109,13 @@ class MemoryEstimate:
     (``note_logits``)."""
     one_layer: int = 0
     """With the layers recomputed, what the one being recomputed holds besides its input (in those activations)."""
+    tile: int = 0
+    """Where the MLPs run in tiles (``--tiled_mlp``) on the longest micro-batch, what the backward pass of one tile
+    holds besides its input: its intermediate activations, recomputed."""
 
     @property
     def peak(self) -> int:
-        return self.in_use + self.gradients + self.optimizer + self.logits + (self.activations or 0)
+        return self.in_use + self.gradients + self.optimizer + self.logits + self.tile + (self.activations or 0)
 
     def line(self) -> str:
         activations = (f"activations not counted ({self.not_counted})" if self.activations is None
@@ -119,6 +124,7 @@ class MemoryEstimate:
                                f"{_size(self.other_way)} {'without' if self.checkpointing else 'with'} "
                                "--gradient_checkpointing") + ")")
         logits = f", {_size(self.logits)} for the output layer's chunk of logits" if self.logits else ""
+        logits += f", {_size(self.tile)} for an MLP tile's backward" if self.tile else ""
         return (f"memory per process, predicted peak {_size(self.peak)}: {_size(self.in_use)} in use at the start "
                 f"(libraries, data, weights), {_size(self.gradients)} gradients, {_size(self.optimizer)} optimizer "
                 f"states, {activations}{logits}; this {self.device} has {_size(self.capacity)} for it")
@@ -130,7 +136,7 @@ class MemoryEstimate:
         activation kept: 12.1 GiB resident under glibc's defaults, 6.6 GiB in use)."""
         if self.checkpointing or self.activations is None or self.other_way is None:
             return False
-        return self.in_use + self.gradients + self.optimizer + self.logits + 2 * self.activations > self.capacity
+        return self.peak + self.activations > self.capacity
 
     def recomputed(self) -> MemoryEstimate:
         """This estimate with the layers recomputed."""
@@ -211,7 +217,7 @@ def predict_memory(model: torch.nn.Module, counted: CountedBatch | None, device:
     in_use = _in_use(device)  # before the count, whose freed memory the C allocator may keep
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     activations = other_way = None
-    count = _Count(0, None, 0, 0)
+    count = _Count(0, None, 0, 0, 0)
     if counted is not None:
         count = _longest_kept(model, counted.loss, counted.collate, counted.rows, device, checkpointing)
         recomputed = None if count.recomputed is None else count.recomputed + count.one_layer
@@ -220,7 +226,7 @@ def predict_memory(model: torch.nn.Module, counted: CountedBatch | None, device:
                           other_way=other_way, checkpointing=checkpointing, tokens=counted.tokens if counted else "",
                           capacity=_capacity(device, local_processes),
                           device="GPU" if device.type == "cuda" else "machine",
-                          not_counted=not_counted, logits=count.logits, one_layer=count.one_layer)
+                          not_counted=not_counted, logits=count.logits, one_layer=count.one_layer, tile=count.tile)
 
 
 class _Count(NamedTuple):
@@ -233,6 +239,8 @@ class _Count(NamedTuple):
     """What the layer being recomputed holds besides its input (0 where none can be)."""
     logits: int
     """The output layer's chunk of logits at their backward's peak (0 where it notes none: ``note_logits``)."""
+    tile: int
+    """What one tile of a tiled MLP's backward holds besides its input (0 where no MLP runs in tiles)."""
 
 
 def _longest_kept(model, loss, collate, rows: list[dict], device: torch.device, checkpointing: bool) -> _Count:
@@ -254,15 +262,16 @@ def _longest_kept(model, loss, collate, rows: list[dict], device: torch.device, 
                          default=0)
         finally:
             _noted_logits.reset(noted)
-        return _Count(kept, recomputed, one_layer, logits)
+        return _Count(kept, recomputed, one_layer, logits, 0)
 
     def cut(fraction: float) -> dict:  # evenly spaced tokens: labelled ones (a chat row's last) keep their share
         return collate([{key: [value[int(i / fraction)] for i in range(max(1, math.ceil(len(value) * fraction)))]
                          if isinstance(value, list) else value for key, value in row.items()} for row in rows])
 
     whole = collate(rows)
+    tile = _one_tile(model, device, padded_tokens(whole))
     if padded_tokens(whole) <= COUNTED_TOKENS:
-        return counted(whole)
+        return counted(whole)._replace(tile=tile)
     fraction = COUNTED_TOKENS / 2 / padded_tokens(whole)
     with tiles_as_if_cut(fraction):
         first = counted(cut(fraction))
@@ -275,7 +284,28 @@ def _longest_kept(model, loss, collate, rows: list[dict], device: torch.device, 
         squared = max(0.0, (at_2f - 2 * at_f) / 2)  # B f^2
         return int((at_f - squared) / fraction + squared / fraction**2)
     return _Count(fitted(first.kept, second.kept), fitted(first.recomputed, second.recomputed),
-                  fitted(first.one_layer, second.one_layer), second.logits)
+                  fitted(first.one_layer, second.one_layer), second.logits, tile)
+
+
+def _one_tile(model, device: torch.device, positions: int) -> int:
+    """What the backward pass of a tiled MLP (``finetune.models.memory.tile_mlps``) over ``positions`` holds for one
+    tile besides the MLP's input: what the tile's recompute keeps for its own backward, counted on the first tiled
+    MLP in training mode. 0 where no MLP runs in tiles or ``positions`` fit in one (it runs whole, its intermediates
+    counted with the rest)."""
+    mlp = next((module for module in model.modules() if hasattr(module, "untiled_forward")), None)
+    if mlp is None or positions <= mlp.tile:
+        return 0
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    part = torch.zeros(math.ceil(positions / math.ceil(positions / mlp.tile)),  # as tensor_split cuts them
+                       base.config.get_text_config().hidden_size, dtype=base.get_input_embeddings().weight.dtype,
+                       device=device, requires_grad=True)
+    training = model.training
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model.train()
+        try:
+            return kept_for_backward(lambda: mlp.untiled_forward(part), model, held=[part])
+        finally:
+            model.train(training)
 
 
 def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointing: bool
@@ -312,8 +342,7 @@ def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointi
                 finally:
                     last.gradient_checkpointing = True
             else:  # its layers recompute their own way (remote code): each taken to keep an equal share
-                config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-                one_layer = kept // max(1, getattr(config, "num_hidden_layers", 1) or 1)
+                one_layer = kept // max(1, getattr(base.config.get_text_config(), "num_hidden_layers", 1) or 1)
         _recompute_layers(model, base, checkpointing)
     model.train(training)
     return kept, recomputed, one_layer

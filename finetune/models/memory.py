@@ -65,7 +65,7 @@ def tile_mlps(model: torch.nn.Module) -> None:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    config = base.config.get_text_config()
     mlps = [layer.mlp for layer in base.modules()
             if isinstance(layer, GradientCheckpointingLayer) and isinstance(getattr(layer, "mlp", None),
                                                                             torch.nn.Module)]
@@ -79,8 +79,8 @@ def tile_mlps(model: torch.nn.Module) -> None:
                         " leave the flag off")
     for mlp in mlps:
         if not hasattr(mlp, "untiled_forward"):
-            mlp.untiled_forward = mlp.forward
-            mlp.forward = functools.partial(_tiled_forward, mlp, config.hidden_size)
+            mlp.untiled_forward, mlp.tile = mlp.forward, config.hidden_size
+            mlp.forward = functools.partial(_tiled_forward, mlp)
 
 
 _cut_to = contextvars.ContextVar("cut_to", default=1.0)
@@ -98,8 +98,8 @@ def tiles_as_if_cut(fraction: float):
         _cut_to.reset(token)
 
 
-def _tiled_forward(mlp: torch.nn.Module, tile: int, x: torch.Tensor) -> torch.Tensor:
-    positions, tile = x.shape[:-1].numel(), tile * _cut_to.get()
+def _tiled_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    positions, tile = x.shape[:-1].numel(), mlp.tile * _cut_to.get()
     if not torch.is_grad_enabled() or positions <= tile:
         return mlp.untiled_forward(x)
     weights = [parameter for parameter in mlp.parameters() if parameter.requires_grad]

@@ -144,7 +144,9 @@ class AccelerateRuntime(Runtime):
     def clip_grad_norm_(self, model, max_norm):
         if self.shards:  # the norm as a plain tensor, as the loop reads it (Accelerate's is a DTensor)
             return clip_grad_norm_(model, max_norm)
-        return self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        # DeepSpeed's engine clips in its own step and gives the norm as a number, or None where it has none
+        return norm if norm is None or torch.is_tensor(norm) else torch.tensor(float(norm))
 
     def gather_for_metrics(self, tensors, pad_index=-100):
         padded = tuple(self.accelerator.pad_across_processes(t, dim=1, pad_index=pad_index) if t.dim() > 1 else t

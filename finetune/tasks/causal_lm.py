@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 import transformers
 from torch.utils.checkpoint import checkpoint
+from transformers.cache_utils import DynamicLayer
 
 from finetune.checkpointing.checkpoint import save_model
 from finetune.config import arg
@@ -38,9 +39,9 @@ from finetune.tasks.chat import IGNORE, end_of_turn_ids, require_chat_template, 
 
 __all__ = ["CausalLMArguments", "ChatModelArguments", "ChatTask", "EvalReplies", "adapt_chat_model", "cache_keyword",
            "chat_model_card", "check_output_layer", "decode_replies", "greedy_replies", "is_adapter_folder",
-           "label_log_probs", "language_model_collators", "load_causal_lm", "load_chat_tokenizer", "reply_log_probs",
-           "run_precision", "save_chat_model", "shared_prompt_log_probs", "split_by_tokens", "summed_log_probs",
-           "summed_reply_log_probs"]
+           "label_log_probs", "language_model_collators", "load_causal_lm", "load_chat_tokenizer", "plain_cache",
+           "reply_log_probs", "run_precision", "save_chat_model", "shared_prompt_log_probs", "split_by_tokens",
+           "summed_log_probs", "summed_reply_log_probs"]
 
 LOGITS_PER_CHUNK = 2**24
 """Logits computed at once (64 MiB in float32): a chunk holds ``LOGITS_PER_CHUNK // vocabulary`` positions."""
@@ -387,7 +388,8 @@ def reply_log_probs(model, batch: dict, temperature: float = 1.0) -> torch.Tenso
     on from its prompt's positions; its first token is scored from the prompt's last hidden state. ``model`` may
     be wrapped (DDP) and train: its forward runs twice, and the gradient reaches the prompt's pass through the
     copied cache. Where its layers are recomputed in the backward pass (activation checkpointing), they keep no
-    cache: each reply then runs as one row with its prompt.
+    cache, and where its cache is not plain (``plain_cache``: a sliding window), the padding after a short prompt
+    would count as context: each reply then runs as one row with its prompt.
     """
     inner = unwrap(model)
     prompt_ids, prompt_mask = _unpadded(batch["prompt_ids"], batch["prompt_mask"])
@@ -411,6 +413,10 @@ def _shared_prompt_log_probs(model, inner, prompt_ids: torch.Tensor, prompt_mask
         outputs = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True)
     last = seen["hidden"][prompt_of, lengths[prompt_of] - 1]
     cache = getattr(outputs, keyword)
+    if not plain_cache(cache):
+        del outputs, cache, last
+        return _reply_rows_log_probs(model, inner, prompt_ids[prompt_of], prompt_mask[prompt_of], reply_ids,
+                                     reply_mask, temperature)
     cache.reorder_cache(prompt_of)
     positions = lengths[prompt_of, None] + torch.arange(reply_ids.shape[1], device=lengths.device)
     with _output_layer_input(head) as seen:
@@ -442,6 +448,13 @@ def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torc
     """Right-padded rows without the padding columns no row needs."""
     width = int(mask.sum(1).max())
     return ids[:, :width], mask[:, :width]
+
+
+def plain_cache(cache) -> bool:
+    """Whether each layer of a KV cache holds one plain tensor of every column it has seen, so that columns may be
+    padding: a sliding window counts its columns, padding ones too, and a recurrent state has read the padding."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 def cache_keyword(model) -> str:

@@ -365,7 +365,8 @@ def preview_pairs(pairs: datasets.Dataset, tokenizer, count: int) -> list[dict]:
 def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set, collate, table_path: Path
                               ) -> tuple[torch.nn.Module, Reference, str]:
     """The model preference tuning trains (``--model_name_or_path``, by default the default chat model; an adapter
-    folder is folded into its base), with LoRA unless ``--no_use_lora``; its ``Reference``, whose log-probabilities
+    folder is folded into its base), its dropout off (LoRA's is ``--lora_dropout``), with LoRA unless
+    ``--no_use_lora``; its ``Reference``, whose log-probabilities
     of ``train_set`` are computed once into ``table_path`` under ``--precompute_ref_log_probs``; and how the
     start-up line names both.
 
@@ -374,6 +375,9 @@ def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set
     """
     name = cfg.model_name_or_path or default_chat_model_path()
     model = load_causal_lm(name, trust_remote_code=cfg.trust_remote_code, **args.loading_options(cfg))
+    for module in model.modules():  # as TRL's DPO: the policy's log-probabilities, as the reference's, without
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     precomputation = None
     precision = run_precision(cfg)
     # --prepare_only counts the memory with the live reference: the same for the backward pass, and no table made

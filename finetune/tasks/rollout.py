@@ -18,7 +18,6 @@ from pathlib import Path
 import datasets
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from finetune.checkpointing.files import replacing
 from finetune.data.batching import LENGTH, GlobalBatchSampler, PlannedBatch, pad_token_id
@@ -26,7 +25,7 @@ from finetune.distributed.ddp import all_reduce_max, all_reduce_sum
 from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
 from finetune.task import CountedBatch
-from finetune.tasks.causal_lm import cache_keyword, forward_takes, reply_log_probs
+from finetune.tasks.causal_lm import cache_keyword, forward_takes, plain_cache, reply_log_probs
 from finetune.tasks.episodes import Episode, Episodes, score_episodes, tool_figures, tool_table
 from finetune.tasks.grpo import (
     Advantages,
@@ -47,7 +46,8 @@ class RolloutSampler(GlobalBatchSampler):
     optimizer step's completions (per-device batch x processes x accumulation, counted in completions), each prompt
     repeated ``num_generations`` times in a row, so a group's completions are consecutive in the global order
     (dealt round-robin to the processes, a group may span them). A window is trained ``num_iterations`` times
-    over, its micro-batches planned again for each; the prompts left over at an epoch's end wait for the next.
+    over, its micro-batches planned again for each; the prompts left over after the last whole window sit the
+    epoch out (the next epoch's shuffle draws from all of them again).
 
     Loss units and scales are the rollout's to set (``Rollouts``): they are known only once the completions are.
     """
@@ -112,11 +112,9 @@ class KeptCache:
 
     @staticmethod
     def of(cache, attention: torch.Tensor) -> KeptCache | None:
-        """None where a layer's cache is not one plain tensor of every column (a sliding window counts columns,
-        padding ones too; a recurrent state has read the padding): such a model's next turn runs its whole
-        context again."""
-        layers = getattr(cache, "layers", None)
-        return KeptCache(cache, attention) if layers and all(type(layer) is DynamicLayer for layer in layers) else None
+        """None where the cache is not plain (``plain_cache``): such a model's next turn runs its whole context
+        again."""
+        return KeptCache(cache, attention) if plain_cache(cache) else None
 
     def select(self, rows: list[int]) -> KeptCache:
         """These rows, in this order, each row's columns packed to the right (what went before dropped): the
@@ -339,12 +337,15 @@ class Rollouts:
             torch.save({"key": key, "micro_batches": kept}, partial)
 
     def _kept_rollout(self, key: list, device: torch.device) -> list[tuple[dict, PlannedBatch]] | None:
-        """The rollout a run resumed between two passes over it trains on, if this process kept it; else None (the
-        run had moved past the checkpoint it resumes from): it is sampled again, from the resumed weights."""
+        """The rollout a run resumed between two passes over it trains on, if every process kept its own; else None
+        (the run had moved past the checkpoint it resumes from, on one process at least): it is sampled again, from
+        the resumed weights, on every process, whose sampling and scoring take part in collectives together."""
         kept = torch.load(self.kept, weights_only=True) if self.kept and self.kept.is_file() else None
-        if kept is None or kept["key"] != key:
-            warnings.warn("resumed between two passes over a rollout that is no longer kept (the run went on past "
-                          "this checkpoint): sampling it again from the resumed weights", stacklevel=2)
+        missing = kept is None or kept["key"] != key
+        if all_reduce_max(torch.tensor(int(missing), device=device)).item():
+            warnings.warn("resumed between two passes over a rollout that is no longer kept (on this process or "
+                          "another: the run went on past this checkpoint): sampling it again from the resumed weights",
+                          stacklevel=2)
             return None
         return [({name: value.to(device) for name, value in batch.items()},
                  PlannedBatch(indices, attributes["num_real"], attributes["units"], attributes["loss_scale"],
