@@ -360,11 +360,13 @@ def table(results: dict) -> str:
     notes = [f"- {tokens:,}: {figures['note']}"
              for tokens, figures in lengths_measured(results).items() if "note" in figures]
     notes += [f"- {tokens:,}: with `--tiled_mlp` too, {tiled[peak]:,.0f} MiB "
-              f"(**{figures['ratios']['tiled_peak_memory_vs_trl']:.2f}x** TRL's), {tiled['tokens_per_second']:.1f} "
-              f"tokens/s ({figures['ratios']['tiled_tokens_per_second_vs_trl']:.2f}x)"
+              + (f"(**{ratios['tiled_peak_memory_vs_trl']:.2f}x** TRL's), {tiled['tokens_per_second']:.1f} "
+                 f"tokens/s ({ratios['tiled_tokens_per_second_vs_trl']:.2f}x)" if "tiled_peak_memory_vs_trl" in ratios
+                 else f"({tiled['tokens_per_second']:.1f} tokens/s; TRL not run beside it)")
+              + (f"; predicted {ratios['finetune_tiled_predicted_vs_measured_peak']:.2f}x the measured peak"
+                 if "finetune_tiled_predicted_vs_measured_peak" in ratios else "")
               for tokens, figures in lengths_measured(results).items()
-              if (tiled := figures["medians"].get("finetune_tiled"))
-              and "tiled_peak_memory_vs_trl" in figures["ratios"]]
+              if (tiled := figures["medians"].get("finetune_tiled")) and (ratios := figures["ratios"])]
     notes += [f"- {tokens:,}: {'with `--tiled_mlp`, ' if config == 'finetune_tiled' else ''}predicted "
               f"{now['predicted_peak_mib']:,} MiB by `--prepare_only` at {now['commit']} ({now['date']}; "
               f"`--predicted_only{'' if config == 'finetune' else ' --configs ' + config}`)"
