@@ -256,6 +256,43 @@ def test_another_world_size_resumes_when_the_global_batch_is_kept(tmp_path):
     assert resumed_progress(end, progress(2, 8, 1), tmp_path, batches_per_rank=3).batches_in_epoch == 3
 
 
+def test_a_checkpoint_written_again_for_its_step_leaves_the_earlier_one_where_the_new_one_cannot_take_its_place(
+        tmp_path, monkeypatch):
+    """A restarted run checkpoints a step it checkpointed before: the earlier checkpoint stays complete until the
+    new one is in place, and where the disk refuses that (here its last rename), it is still there, verified."""
+    import errno
+    from datetime import timedelta
+    from pathlib import Path
+
+    from finetune.runtimes.ddp import DDPRuntime
+
+    runtime = DDPRuntime(mixed_precision=None, seed=0, backend=None, ddp_timeout=timedelta(minutes=1), tracking=None)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    runtime.prepare(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
+    out = str(tmp_path / "out")
+    step = Progress(global_step=3, world_size=1, runtime="ddp")
+    first = runtime.save_checkpoint(out, step, keep=None)
+    files = sorted(path.name for path in first.iterdir())
+    rename = Path.rename
+
+    def disk_full_for_the_new_one(path, target):
+        if path.name.endswith(".partial"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return rename(path, target)
+
+    monkeypatch.setattr(Path, "rename", disk_full_for_the_new_one)
+    with pytest.raises(UserError, match="cannot write checkpoint .*step_3 .*earlier checkpoints are intact"):
+        runtime.save_checkpoint(out, replace(step, launch_id="restarted"), keep=None)
+    assert find_latest_checkpoint(out) == first and sorted(path.name for path in first.iterdir()) == files
+    verify_checkpoint(first)
+    assert [path.name for path in first.parent.iterdir()] == ["step_3"]
+    monkeypatch.setattr(Path, "rename", rename)
+    assert runtime.save_checkpoint(out, replace(step, launch_id="restarted"), keep=None) == first
+    assert read_progress(first).launch_id == "restarted"
+    assert [path.name for path in first.parent.iterdir()] == ["step_3"]
+
+
 def test_another_seed_is_refused_since_the_order_of_the_data_depends_on_it(tmp_path):
     with pytest.raises(UserError, match=r"written by a run with --seed 7 and this run has --seed 0; the order of the "
                                         r"data depends on it, so resume with --seed 7"):

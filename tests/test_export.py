@@ -154,6 +154,33 @@ def test_each_architecture_reads_back_as_written(model_type, tmp_path):
     assert [back_tokenizer(text).input_ids for text in CORPUS] == [tokenizer(text).input_ids for text in CORPUS]
 
 
+@pytest.mark.parametrize(("tokenizer_class", "prefixed"), [("LlamaTokenizer", True), ("GemmaTokenizer", False)])
+def test_a_sentencepiece_style_vocabulary_says_whether_its_text_takes_a_space_before_it(tokenizer_class, prefixed,
+                                                                                        tmp_path):
+    """llama.cpp puts a space before the text of a ``llama`` vocabulary unless the file says not to: Llama's
+    tokenizer prepends ``▁`` (so must the file), Gemma's only replaces spaces. (transformers reads the key back but
+    never uses it, so the files' logits cannot show it.)"""
+    import types
+
+    import gguf
+    import transformers
+
+    from finetune.export.gguf_file import vocabulary
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)},
+             "▁": 259, "h": 260, "i": 261, "▁h": 262, "▁hi": 263}
+    tokenizer = getattr(transformers, tokenizer_class)(vocab=vocab, merges=[("▁", "h"), ("▁h", "i")])
+    tokenizer.save_pretrained(tmp_path / "run")
+    assert (tokenizer.tokenize("hi")[0] == "▁hi") is prefixed
+    writer = gguf.GGUFWriter(tmp_path / "vocabulary.gguf", "llama")
+    vocabulary(tokenizer, types.SimpleNamespace(vocab_size=len(tokenizer)), tmp_path / "run")(writer, [])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    field = gguf.GGUFReader(tmp_path / "vocabulary.gguf").get_field("tokenizer.ggml.add_space_prefix")
+    assert field.contents() is prefixed
+
+
 @pytest.mark.parametrize("quant", ["q8_0", "bf16"])
 def test_each_quantized_weight_is_the_gguf_package_s_own_rounding_of_the_trained_one(quant, tmp_path):
     """q8_0 (blocks of 32 with a scale each) and bf16: every matrix read back is what ``gguf``'s quantizer makes

@@ -180,10 +180,24 @@ def _pre_tokenizer_name(pre_tokenizer: dict) -> str | None:
     return None
 
 
+def _adds_space_prefix(spec: dict) -> bool:
+    """Whether a sentencepiece-style tokenizer (``spec``, its ``tokenizer.json``) puts ``▁`` before its text: a
+    ``Prepend`` normalizer (Llama 2's) or a ``Metaspace`` pre-tokenizer that prepends (Llama's as transformers
+    builds it now); not Gemma's, which only replaces spaces. llama.cpp's ``llama`` vocabulary prefixes unless the
+    file says not to."""
+    normalizer, pre_tokenizer = spec.get("normalizer") or {}, spec.get("pre_tokenizer") or {}
+    steps = [*normalizer.get("normalizers", [normalizer]), *pre_tokenizer.get("pretokenizers", [pre_tokenizer])]
+    return any((step.get("type") == "Prepend" and step.get("prepend") == "▁")
+               or (step.get("type") == "Metaspace" and step.get(
+                   "prepend_scheme", "always" if step.get("add_prefix_space", True) else "never") != "never")
+               for step in steps)
+
+
 def vocabulary(tokenizer, config, folder: Path) -> Callable[[object, list[int]], None]:
     """What writes ``tokenizer`` (saved in ``folder``) into a GGUF writer, given the stops a reply ends at:
     byte-level BPE as llama.cpp's ``gpt2`` model (tokens, merges, the pre-tokenizer's name), a sentencepiece-style
-    BPE (``▁`` for spaces, byte fallback) as its ``llama`` model (tokens with scores); the special tokens, the end
+    BPE (``▁`` for spaces, byte fallback) as its ``llama`` model (tokens with scores, and whether the text takes a
+    ``▁`` before it: ``_adds_space_prefix``); the special tokens, the end
     of turn and the chat template. Cheap: the command calls it to refuse a tokenizer before the weights load.
 
     Raises:
@@ -228,7 +242,7 @@ def vocabulary(tokenizer, config, folder: Path) -> Callable[[object, list[int]],
         writer.add_token_types(types)
         if scores is not None:
             writer.add_token_scores(scores)
-            writer.add_add_space_prefix(False)
+            writer.add_add_space_prefix(_adds_space_prefix(spec))
         special = gguf.SpecialVocab(folder, load_merges=byte_level, n_vocab=config.vocab_size)
         special.chat_template = tokenizer.chat_template
         special.add_to_gguf(writer, quiet=True)

@@ -242,10 +242,7 @@ class Runtime(ABC):
                 if self._trackers is not None:
                     self._trackers.settings.write_run(partial)
                 write_manifest(partial, progress)
-                if final.exists():  # an earlier run of the same step, e.g. before a restart
-                    shutil.rmtree(final)
-                partial.rename(final)
-                fsync_directory(final.parent)
+                _put_in_place(partial, final)
                 prune_checkpoints(output_dir, keep, progress)
         except (OSError, RuntimeError, SafetensorError) as err:
             shutil.rmtree(partial, ignore_errors=True)
@@ -255,6 +252,24 @@ class Runtime(ABC):
                             "--output_dir; earlier checkpoints are intact") from None
         self.wait_for_save()
         return final
+
+
+def _put_in_place(partial: Path, final: Path) -> None:
+    """Renames the complete checkpoint ``partial`` to ``final``. A checkpoint already there (an earlier run of the
+    same step, e.g. before a restart) is moved aside until the new one is in place, and put back if it cannot be:
+    there is a complete checkpoint of the step at every moment but between two renames."""
+    replaced = final.with_name(final.name + ".replaced")
+    shutil.rmtree(replaced, ignore_errors=True)
+    if final.exists():
+        final.rename(replaced)
+    try:
+        partial.rename(final)
+    except OSError:
+        if replaced.exists():
+            replaced.rename(final)
+        raise
+    fsync_directory(final.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
