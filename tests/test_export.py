@@ -291,3 +291,24 @@ def test_what_cannot_be_exported_is_refused_in_one_line_before_anything_loads_or
     with pytest.raises(ZeroDivisionError):
         gguf_file.write_gguf(load_trained(chat_model), tmp_path / "half.gguf", "f16")
     assert list(tmp_path.glob("half*")) == []
+
+
+def test_the_ollama_template_ends_with_the_generation_prompt_the_run_trained_after(chat_tokenizer):
+    """Qwen3's template saved with ``enable_thinking`` false by default (a run's ``--chat_template_kwargs``) prompts
+    a reply after an empty think block: so does the Modelfile's Go template; SmolLM2's after the assistant turn's
+    opening alone."""
+    import copy
+
+    import trl
+
+    from finetune.export.ollama import go_template
+    from finetune.tasks.chat import template_with_defaults
+
+    qwen3 = copy.deepcopy(chat_tokenizer)
+    qwen3.chat_template = template_with_defaults(
+        (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text(), {"enable_thinking": False})
+    for tokenizer, prompt in ((qwen3, "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+                              (chat_tokenizer, "<|im_start|>assistant\n")):
+        template = go_template(tokenizer.chat_template, lambda messages, t=tokenizer: t.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True))
+        assert template.endswith("{{ end }}" + prompt)

@@ -181,3 +181,62 @@ def test_what_cannot_be_predicted_is_refused_in_one_line(chat_run, tmp_path, cap
         refused_here(predict, argv, capsys, expected)
     assert (tmp_path / "taken.jsonl").read_text() == "mine\n" and not (adapter / "predictions.jsonl").exists()
     assert json.loads(chats.read_text().splitlines()[0])["messages"] == CHATS[0]
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup_order", "description": "An order's status.",
+                                           "parameters": {"type": "object", "properties": {"id": {"type": "string"}},
+                                                          "required": ["id"]}}}]
+
+
+def test_a_chat_run_s_template_options_and_a_row_s_tools_prompt_as_the_run_trained(tmp_path, chat_tokenizer, capsys):
+    """A chat run saved with ``--chat_template_kwargs '{"enable_thinking": false}'`` (Qwen3's template as TRL ships
+    it): its saved template renders without the option what the run's did with it (a caller's own option still
+    wins), and predict prompts each row with it and the row's ``tools``; a row whose tools are not schemas is
+    refused in one line before the model loads."""
+    import copy
+
+    import trl
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.tasks.causal_lm import ChatModelArguments, save_chat_model
+
+    qwen3 = copy.deepcopy(chat_tokenizer)
+    qwen3.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    base = save_tiny_llama(tmp_path / "base", qwen3, initializer_range=0.08)
+    torch.manual_seed(1)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    model.generation_config.eos_token_id = [2]
+    args = ChatModelArguments(chat_template_kwargs='{"enable_thinking": false}')
+    save_chat_model(model, model.state_dict(), qwen3, str(tmp_path / "sft"), args)
+    assert qwen3.chat_template == (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+
+    saved = AutoTokenizer.from_pretrained(tmp_path / "sft")
+    chat = [{"role": "user", "content": TICKETS[0]}]
+    for thinking in (False, True):
+        options = {} if thinking is False else {"enable_thinking": True}
+        assert saved.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **options) == \
+            qwen3.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+    assert "<think>" in saved.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+    rows = [{"messages": chat, "tools": json.dumps(TOOLS)}, {"messages": [{"role": "user", "content": TICKETS[1]}]}]
+    chats = write_jsonl(tmp_path / "chats.jsonl", rows)
+    replies = [row["reply"] for row in predicted(tmp_path / "sft", "--input", str(chats), "--max_new_tokens", "8")]
+    merged = model.merge_and_unload().eval()
+
+    def reply(messages, **options):
+        ids = qwen3.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True,
+                                        **options)
+        out = merged.generate(**ids, max_new_tokens=8, do_sample=False, eos_token_id=[2],
+                              pad_token_id=2)[0, ids["input_ids"].shape[1]:].tolist()
+        return qwen3.decode(out[:out.index(2)] if 2 in out else out, skip_special_tokens=True)
+
+    expected = [reply(chat, tools=TOOLS, enable_thinking=False), reply(rows[1]["messages"], enable_thinking=False)]
+    assert replies == expected
+    assert expected != [reply(chat), reply(rows[1]["messages"])] and expected[0] != reply(chat, enable_thinking=False)
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [rows[1], {"messages": chat, "tools": "{not json"}])
+    refused_here(predict, [str(tmp_path / "sft"), "--input", str(bad), "--output", str(tmp_path / "bad-out.jsonl")],
+                 capsys, "--input row 2: tools is not JSON")
+    assert not (tmp_path / "bad-out.jsonl").exists()

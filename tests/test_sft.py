@@ -420,6 +420,8 @@ BAD = {
                                            "--chat_template_kwargs", "{enable_thinking: false}"),
     "template options that are not an object": (None, None, "--chat_template_kwargs is list; give a JSON object",
                                                 "--chat_template_kwargs", "[1]"),
+    "a template option no template can read": (None, None, "--chat_template_kwargs names 'enable-thinking'",
+                                                "--chat_template_kwargs", '{"enable-thinking": false}'),
     "an image part": ([{"messages": [{"role": "user", "content": [{"type": "image", "url": "a.png"}]},
                                      {"role": "assistant", "content": "A cat."}]}] * 2, None,
                       "train row 1, message 1: content holds image besides text; the chat recipes train text models"),

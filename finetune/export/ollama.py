@@ -27,12 +27,12 @@ def go_template(jinja: str | None, render) -> str | None:
     if not jinja:
         return None
     if "<|im_start|>" in jinja:
-        # What the template writes before a conversation without a system message: its default system turn.
-        before = render([{"role": "user", "content": MARK}]).split(f"<|im_start|>user\n{MARK}")[0]
+        # What the template writes before a conversation without a system message (its default system turn), and
+        # its generation prompt (Qwen3's with thinking off holds an empty think block).
+        before, after = render([{"role": "user", "content": MARK}]).split(f"<|im_start|>user\n{MARK}<|im_end|>\n")
         default = before if before.startswith("<|im_start|>system\n") else ""
         return (ANY_SYSTEM + (f"{{{{- if not $system }}}}{default}{{{{ end }}}}" if default else "")
-                + "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}"
-                "<|im_start|>assistant\n")
+                + "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}" + after)
     if "<start_of_turn>" in jinja:
         # Gemma has no system turn: the system message opens the first user turn.
         return (ANY_SYSTEM + "{{- $first := true }}{{- range .Messages }}{{- if ne .Role \"system\" }}"

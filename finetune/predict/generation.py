@@ -21,11 +21,14 @@ class Sampling:
                 "max_new_tokens": self.max_new_tokens}
 
 
-def replies(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, streamer=None) -> list[str]:
-    """Each prompt's reply (the messages before it, rendered with the generation prompt)."""
+def replies(model, tokenizer, prompts: list[list[dict]], sampling: Sampling, streamer=None,
+            tools: list[list[dict] | None] | None = None) -> list[str]:
+    """Each prompt's reply (the messages before it, rendered with the generation prompt and the prompt's ``tools``,
+    function schemas, where it has any)."""
     import torch
 
-    texts = [tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True) for prompt in prompts]
+    texts = [tokenizer.apply_chat_template(prompt, tools=schemas, tokenize=False, add_generation_prompt=True)
+             for prompt, schemas in zip(prompts, tools or [None] * len(prompts), strict=True)]
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)

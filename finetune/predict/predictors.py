@@ -35,7 +35,11 @@ class Plan:
             wanted = (" or " if self.kind == "chat" else " and ").join(repr(column) for column in self.columns)
             raise UserError(f"--input has no {wanted} column (columns: {', '.join(data.column_names)}); a "
                             f"{self.kind} model reads {wanted}, as its recipe trains on")
-        return data.to_list()
+        rows = data.to_list()
+        if self.kind == "chat":
+            for number, row in enumerate(rows, 1):
+                tools_of(row, f"--input row {number}")
+        return rows
 
 
 @dataclass
@@ -113,7 +117,8 @@ class Predictor:
         from finetune.predict.generation import replies
 
         prompts = [prompt_of(row) for row in rows]
-        return [{"reply": reply} for reply in replies(self.model, self.tokenizer, prompts, sampling)]
+        tools = [tools_of(row, "--input") for row in rows]
+        return [{"reply": reply} for reply in replies(self.model, self.tokenizer, prompts, sampling, tools=tools)]
 
 
 def prompt_of(row: dict) -> list[dict]:
@@ -127,6 +132,18 @@ def prompt_of(row: dict) -> list[dict]:
         return messages[:last] if last is not None and last == len(messages) - 1 else messages
     prompt = row["prompt"]
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [without_nulls(m) for m in prompt]
+
+
+def tools_of(row: dict, where: str) -> list[dict] | None:
+    """A chat row's ``tools`` (function schemas, a list or its JSON text), None where it has none.
+
+    Raises:
+        UserError: they are not a list of schemas; the message says ``where``.
+    """
+    from finetune.tasks.chat import read_tools
+
+    tools = read_tools(row.get("tools"), where)
+    return json.loads(tools) if tools else None
 
 
 LABELLED = {"ForSequenceClassification": "classify", "ForTokenClassification": "tag"}

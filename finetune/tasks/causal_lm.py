@@ -35,7 +35,13 @@ from finetune.models.loading import default_chat_model_path, from_pretrained, lo
 from finetune.models.lora import LoraArguments, add_lora, save_adapter
 from finetune.models.memory import four_bit_loading, keep_four_bit_trainable, require_bitsandbytes
 from finetune.task import ModelCardInfo
-from finetune.tasks.chat import IGNORE, end_of_turn_ids, require_chat_template, write_generations
+from finetune.tasks.chat import (
+    IGNORE,
+    end_of_turn_ids,
+    require_chat_template,
+    template_with_defaults,
+    write_generations,
+)
 
 __all__ = ["CausalLMArguments", "ChatModelArguments", "ChatTask", "EvalReplies", "adapt_chat_model", "cache_keyword",
            "chat_model_card", "check_output_layer", "decode_replies", "greedy_replies", "is_adapter_folder",
@@ -103,6 +109,10 @@ class ChatModelArguments(CausalLMArguments, LoraArguments):
                             '\'{"enable_thinking": false}\'') from None
         if not isinstance(options, dict):
             raise UserError(f"--chat_template_kwargs is {type(options).__name__}; give a JSON object of options")
+        unnamed = [repr(name) for name in options if not name.isidentifier()]
+        if unnamed:
+            raise UserError(f"--chat_template_kwargs names {', '.join(unnamed)}: give options by the names the "
+                            "template reads (letters, digits and _)")
 
     def loading_options(self, cfg) -> dict:
         """``from_pretrained``'s keyword arguments for the model: its dtype (``--dtype``), and under
@@ -257,7 +267,24 @@ class EvalReplies:
 
 def save_chat_model(model, state_dict: dict, tokenizer, output_dir: str, args: ChatModelArguments) -> None:
     """The adapter (with ``--merge_lora`` the merged model too) or, without LoRA, the whole model; each with the
-    ``generation_config.json`` that stops at the template's end of turn."""
+    ``generation_config.json`` that stops at the template's end of turn, and a chat template that takes the run's
+    ``--chat_template_kwargs`` where a caller gives none."""
+    with _saved_template_defaults(tokenizer, args.template_options):
+        _save_chat_model(model, state_dict, tokenizer, output_dir, args)
+
+
+@contextlib.contextmanager
+def _saved_template_defaults(tokenizer, options: dict) -> Iterator[None]:
+    template = tokenizer.chat_template
+    if options and template:
+        tokenizer.chat_template = template_with_defaults(template, options)
+    try:
+        yield
+    finally:
+        tokenizer.chat_template = template
+
+
+def _save_chat_model(model, state_dict: dict, tokenizer, output_dir: str, args: ChatModelArguments) -> None:
     if args.use_lora:
         save_adapter(model, state_dict, tokenizer, output_dir, merge=args.merge_lora)
         # Loaders take the base model's generation config, which may not stop there: this copy is for generate()

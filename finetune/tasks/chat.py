@@ -30,8 +30,8 @@ from finetune.errors import UserError
 
 __all__ = ["IGNORE", "ROLES", "TEMPLATE_ERRORS", "check_conversation", "conversation_layout", "end_of_turn_ids",
            "preview_rows", "read_conversations", "read_tools", "render_last_reply", "render_prompts", "render_rows",
-           "require_chat_template", "rows_tools", "split_conversations", "tokenize_conversations", "without_nulls",
-           "write_generations"]
+           "require_chat_template", "rows_tools", "split_conversations", "template_with_defaults",
+           "tokenize_conversations", "without_nulls", "write_generations"]
 
 IGNORE = -100
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -99,7 +99,10 @@ def read_tools(value, where: str) -> str | None:
     without one."""
     if value is None:
         return None
-    tools = json.loads(value) if isinstance(value, str) else without_nulls(value)
+    try:
+        tools = json.loads(value) if isinstance(value, str) else without_nulls(value)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{where}: tools is not JSON ({err}); give a list of JSON function schemas") from None
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise UserError(f"{where}: tools is {type(tools).__name__}; give a list of JSON function schemas")
     return json.dumps(tools)
@@ -371,6 +374,27 @@ def end_of_turn_ids(tokenizer, options: dict | None = None) -> list[int]:
     if ids and ids[0] in special and ids[0] not in stops:
         stops.append(ids[0])
     return stops
+
+
+def template_with_defaults(template: str | dict, options: dict) -> str | dict:
+    """``template`` (or each of a tokenizer's named ones) rendering as if given ``options`` (the run's
+    ``--chat_template_kwargs``) wherever its caller leaves them out: saved so, the model is prompted as it trained by
+    transformers, vLLM, llama.cpp and Ollama alike, and a caller's own options still win."""
+    if isinstance(template, dict):
+        return {name: template_with_defaults(text, options) for name, text in template.items()}
+    return "".join(f"{{%- if {name} is not defined %}}{{%- set {name} = {_jinja_literal(value)} %}}{{%- endif %}}"
+                   for name, value in options.items()) + template
+
+
+def _jinja_literal(value) -> str:
+    """A JSON value as a Jinja expression (which spells JSON's true, false and null as true, false and none)."""
+    if value is None or isinstance(value, bool):
+        return {None: "none", True: "true", False: "false"}[value]
+    if isinstance(value, list):
+        return f"[{', '.join(map(_jinja_literal, value))}]"
+    if isinstance(value, dict):
+        return f"{{{', '.join(f'{json.dumps(key)}: {_jinja_literal(item)}' for key, item in value.items())}}}"
+    return json.dumps(value)
 
 
 def write_generations(path: str, rows: datasets.Dataset, generations: list[str]) -> None:
