@@ -71,7 +71,8 @@ class ClassifyTask:
 
     def setup(self, cfg, tokenizer, data):
         self.label_names = data.info["label_names"]
-        model = load_labelled_encoder(transformers.AutoModelForSequenceClassification, cfg, self.label_names)
+        model = load_labelled_encoder(transformers.AutoModelForSequenceClassification, cfg, self.label_names,
+                                      self.text_columns, tokenizer)
         return TaskSetup(TokenizedDataset(data.train), TokenizedDataset(data.validation),
                          transformers.DataCollatorWithPadding(tokenizer), model,
                          summary=f"{len(self.label_names)} labels")

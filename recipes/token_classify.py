@@ -78,7 +78,8 @@ class TokenClassifyTask:
         self.eval_words = data.validation["words"]
         self.eval_word_ids = data.validation["word_ids"]
         self.eval_firsts = [first_pieces(word_ids) for word_ids in self.eval_word_ids]  # where each word is read
-        model = load_labelled_encoder(transformers.AutoModelForTokenClassification, cfg, self.tags)
+        model = load_labelled_encoder(transformers.AutoModelForTokenClassification, cfg, self.tags,
+                                      [self.args.text_column], tokenizer)
         return TaskSetup(TokenizedDataset(data.train), TokenizedDataset(data.validation, ["input_ids", "labels"]),
                          transformers.DataCollatorForTokenClassification(tokenizer), model,
                          summary=f"{len(self.tags)} tags, {data.info['validation_cut']} validation sentence(s) cut "

@@ -16,11 +16,13 @@ from helpers import (
     launch_cmd,
     log_history,
     max_weight_diff,
+    read_jsonl,
     read_results,
     read_weights,
     run,
     tensorboard_scalars,
     train_here,
+    write_csv,
 )
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -173,3 +175,39 @@ def test_gradient_checkpointing_trains_exactly_as_keeping_the_activations(small_
                                            "--gradient_checkpointing"))
     assert_same_steps(log_history(tmp_path / "recomputed"), log_history(tmp_path / "kept"), rel=1e-6)
     assert max_weight_diff(tmp_path / "recomputed", tmp_path / "kept") <= 1e-6
+
+
+def test_predict_reads_the_columns_the_run_read_and_cuts_texts_where_it_cut_them(small_data, tiny_bert, tmp_path):
+    """A sentence-pair run (``--text_column question --text_pair_column answer``, cut at 12 tokens): predict on the
+    validation file, given no columns, labels each row as the run's evaluation did; a file without the answers is
+    refused naming the column."""
+    from finetune.errors import run_main
+    from finetune.predict.__main__ import main as predict_main
+
+    for split in ("train", "validation"):
+        rows = list(csv.DictReader(open(small_data[split])))
+        write_csv(tmp_path / f"{split}.csv", [{"question": row["text"], "answer": rows[-1 - i]["text"],
+                                               "label": row["label"]} for i, row in enumerate(rows)])
+    out = tmp_path / "out"
+    train_here("classify", "--train_file", str(tmp_path / "train.csv"), "--validation_file",
+               str(tmp_path / "validation.csv"), "--text_column", "question", "--text_pair_column", "answer",
+               "--max_seq_length", "12", "--max_train_steps", "4", "--learning_rate", "1e-2",
+               "--model_name_or_path", str(tiny_bert), "--output_dir", str(out))
+    run_main(predict_main, [str(out), "--input", str(tmp_path / "validation.csv")])
+    rows = read_jsonl(out / "predictions.jsonl")
+    assert [row["predicted_label"] for row in rows] == read_predictions(out)
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+
+    def probabilities(*texts, **cut):
+        with torch.no_grad():
+            return model(**tokenizer(*texts, return_tensors="pt", **cut)).logits.softmax(-1)[0].tolist()
+
+    row = rows[0]
+    expected = probabilities(row["question"], row["answer"], truncation=True, max_length=12)
+    assert list(row["probabilities"].values()) == pytest.approx(expected, abs=1e-6)
+    for other in (probabilities(row["question"], row["answer"]), probabilities(row["question"], truncation=True,
+                                                                                max_length=12)):
+        assert max(abs(a - b) for a, b in zip(other, expected, strict=True)) > 1e-4
+    with pytest.raises(SystemExit):
+        run_main(predict_main, [str(out), "--input", str(small_data["validation"]), "--output", str(tmp_path / "x")])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from finetune.data.embedded.support_chats import make_support_conversations
-from finetune.models.memory import keep_four_bit_trainable
+from finetune.errors import UserError
+from finetune.models.memory import FOUR_BIT_BASE_FILE, keep_four_bit_trainable
+from finetune.models.trained import load_trained, trained_config
 
 FLAGS = ["--load_in_4bit", "--learning_rate", "1e-2", "--eval_generate", "0", "--per_device_train_batch_size", "4"]
 
@@ -65,9 +68,12 @@ def test_the_adapter_trains_loads_on_the_float_base_and_merges_into_the_model_th
         assert getattr(merged_model.config, "quantization_config", None) is None
         merged = merged_model.eval()(rows).logits
         float_base = on_float(rows).logits
+        exported = load_trained(out).model(rows).logits  # what export and predict merge
     # Merged: the 4-bit weights dequantized, the adapter folded in; the model that trained to float32 rounding,
     # where the adapter on the original float weights is off by the quantization's error.
     assert (merged - trained).abs().max() < 1e-4
+    assert (exported - trained).abs().max() < 1e-4
+    assert json.loads((out / FOUR_BIT_BASE_FILE).read_text())["load_in_4bit"]
     assert (float_base - trained).abs().max() > 1e-2
 
 
@@ -119,6 +125,12 @@ def test_without_bitsandbytes_the_flag_names_the_extra(tiny_chat_model, chat_fil
                         else find_spec(name, *args))
     assert_refused("sft", [*chat_files, "--model_name_or_path", str(tiny_chat_model), "--output_dir",
                            str(tmp_path / "out"), "--load_in_4bit"], tmp_path, "bitsandbytes", '".[qlora]"')
+    adapter = tmp_path / "adapter"  # a QLoRA run's output: exporting or predicting it merges it
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_chat_model)}))
+    (adapter / FOUR_BIT_BASE_FILE).write_text("{}")
+    with pytest.raises(UserError, match=r"4-bit base.*pip install -e \"\.\[qlora\]\""):
+        trained_config(adapter)
 
 
 @pytest.mark.multiprocess

@@ -16,6 +16,7 @@ from helpers import (
     launch_cmd,
     load_recipe,
     log_history,
+    read_jsonl,
     read_results,
     recipe_path,
     run,
@@ -27,6 +28,8 @@ from transformers import AutoModelForTokenClassification, AutoTokenizer, pipelin
 from finetune.config import parse_config
 from finetune.data.cache import load_or_build
 from finetune.data.embedded.tagged_tickets import TAG_NAMES, make_tagged_tickets
+from finetune.errors import run_main
+from finetune.predict.__main__ import main as predict
 from finetune.tasks.tagging import IGNORE, entities, entity_scores
 
 RECIPE = recipe_path("token_classify")
@@ -157,6 +160,10 @@ def test_conll_files_train_and_cut_words_are_predicted_o(tiny_bert, tmp_path):
     for prediction, row in zip(read_predictions(out), splits["validation"], strict=True):
         assert prediction["tokens"] == row["tokens"]
         assert set(prediction["predicted"][6:]) <= {"O"}, "words past --max_seq_length are predicted O"
+    # predict cuts sentences where the run did: its tags are the evaluation's.
+    run_main(predict, [str(out), "--input", str(tmp_path / "validation.conll")])
+    assert [row["predicted_tags"] for row in read_jsonl(out / "predictions.jsonl")] == \
+        [prediction["predicted"] for prediction in read_predictions(out)]
 
 
 GOOD = [{"tokens": ["refund", "$5", "now"], "ner_tags": ["O", "B-AMOUNT", "O"]},

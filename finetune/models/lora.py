@@ -3,6 +3,7 @@ merged model)."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from finetune.checkpointing.checkpoint import save_model
 from finetune.config import arg
 from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
-from finetune.models.memory import dequantize_into, is_four_bit
+from finetune.models.memory import FOUR_BIT_BASE_FILE, dequantize_into, is_four_bit
 
 __all__ = ["DropoutLinear", "LoraArguments", "add_lora", "save_adapter"]
 
@@ -117,11 +118,16 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str, tas
 
 
 def save_adapter(model, state_dict: dict, tokenizer, output_dir: str, merge: bool) -> None:
-    """Write the adapter (``adapter_config.json``, ``adapter_model.safetensors``) and the tokenizer with its
-    chat template; with ``merge``, also ``output_dir/merged``: the base model with the adapter folded in,
-    which plain transformers loads (in float32 where the base was held in 4 bits)."""
+    """Write the adapter (``adapter_config.json``, ``adapter_model.safetensors``; over a 4-bit base, its
+    quantization too: ``FOUR_BIT_BASE_FILE``) and the tokenizer with its chat template; with ``merge``, also
+    ``output_dir/merged``: the base model with the adapter folded in, which plain transformers loads (in float32
+    where the base was held in 4 bits)."""
     had_card = os.path.exists(os.path.join(output_dir, "README.md"))
     model.save_pretrained(output_dir, state_dict=state_dict)  # peft keeps only the adapter's weights
+    if is_four_bit(model):
+        quantization = model.get_base_model().config.quantization_config.to_dict()
+        with open(os.path.join(output_dir, FOUR_BIT_BASE_FILE), "w") as f:
+            f.write(json.dumps(quantization, indent=2) + "\n")
     if not had_card:  # peft writes a placeholder card; the loop writes the real one when pushing
         os.remove(os.path.join(output_dir, "README.md"))
     tokenizer.save_pretrained(output_dir)

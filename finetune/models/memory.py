@@ -12,8 +12,13 @@ import torch
 
 from finetune.errors import UserError
 
-__all__ = ["check_tiling", "checkpoint_activations", "dequantize_into", "four_bit_loading", "is_four_bit",
-           "keep_four_bit_trainable", "keep_less", "require_bitsandbytes", "tile_mlps", "tiles_as_if_cut"]
+__all__ = ["FOUR_BIT_BASE_FILE", "check_tiling", "checkpoint_activations", "dequantize_into", "four_bit_loading",
+           "is_four_bit", "keep_four_bit_trainable", "keep_less", "require_bitsandbytes", "tile_mlps",
+           "tiles_as_if_cut"]
+
+FOUR_BIT_BASE_FILE = "base_quantization.json"
+"""Beside an adapter that trained on a 4-bit base: the base's quantization (transformers' ``BitsAndBytesConfig``),
+so that what merges it later folds it into the weights it trained on, not the original ones."""
 
 
 def checkpoint_activations(model: torch.nn.Module) -> None:

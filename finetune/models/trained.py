@@ -1,8 +1,10 @@
 """A recipe's output folder read back as one model: a full model folder as it is, an adapter merged into its base
-in float32, with its tokenizer and the stops its replies end at."""
+in float32 (a 4-bit base's weights as they trained: dequantized), with its tokenizer and the stops its replies
+end at."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +51,13 @@ def trained_config(folder: str | Path, base_model: str | None = None):
     import transformers
 
     from finetune.models.loading import from_pretrained
+    from finetune.models.memory import FOUR_BIT_BASE_FILE
 
     folder = Path(folder)
     base = _base_of(folder, base_model)
+    if base and (folder / FOUR_BIT_BASE_FILE).is_file() and importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(f"{folder} is an adapter trained on a 4-bit base, which merging it quantizes again to fold it "
+                        'into the weights it trained on: pip install -e ".[qlora]" (or pip install bitsandbytes)')
     try:
         config = from_pretrained(transformers.AutoConfig, base or str(folder))
     except UserError as err:
@@ -67,12 +73,14 @@ def trained_config(folder: str | Path, base_model: str | None = None):
 
 def load_trained(folder: str | Path, base_model: str | None = None) -> Trained:
     """The causal LM a chat, DPO or GRPO run saved in ``folder``: ``config.json`` and weights, or an adapter
-    (``adapter_config.json``) loaded on its base (``base_model``, else the one the adapter names) and merged in
-    float32. Raises ``UserError`` as ``trained_config`` does."""
+    (``adapter_config.json``) loaded on its base (``base_model``, else the one the adapter names; one that trained
+    in 4 bits quantized and dequantized again, as it trained) and merged in float32. Raises ``UserError`` as
+    ``trained_config`` does."""
     import torch
     import transformers
 
     from finetune.models.loading import from_pretrained, load_model
+    from finetune.models.memory import FOUR_BIT_BASE_FILE, dequantize_into, four_bit_loading
 
     folder = Path(folder)
     trained_config(folder, base_model)
@@ -81,6 +89,10 @@ def load_trained(folder: str | Path, base_model: str | None = None) -> Trained:
     if base:
         from peft import PeftModel
 
+        if (folder / FOUR_BIT_BASE_FILE).is_file():
+            four_bit = load_model(transformers.AutoModelForCausalLM, base, **four_bit_loading(torch.float32))
+            dequantize_into(four_bit, model)
+            del four_bit
         model = PeftModel.from_pretrained(model, folder).merge_and_unload()
     tokenizer = from_pretrained(transformers.AutoTokenizer, str(folder))
     stops = model.generation_config.eos_token_id

@@ -28,8 +28,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "with the columns the recipe trains on")
     parser.add_argument("--output", type=Path, help="the JSON lines to write (default: OUTPUT_DIR/predictions.jsonl)")
     parser.add_argument("--batch_size", type=int, default=8, help="rows a process predicts at once")
-    parser.add_argument("--text_column", help="classify, tag and embed: the text column (default: text; tokens)")
-    parser.add_argument("--text_pair_column", help="classify: the second text of sentence pairs")
+    parser.add_argument("--text_column", help="classify, tag and embed: the text column (default: the run's; text, "
+                        "tokens)")
+    parser.add_argument("--text_pair_column", help="classify: the second text of sentence pairs (default: the run's)")
     parser.add_argument("--max_new_tokens", type=int, default=256, help="chat: the longest reply")
     parser.add_argument("--temperature", type=float, default=0.0, help="chat: 0 is greedy")
     parser.add_argument("--top_p", type=float, default=1.0, help="chat: nucleus sampling's share")
@@ -54,10 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     env = LaunchEnvironment.read()
     output = args.output or args.output_dir / "predictions.jsonl"
     check_new_output(output, "--output")
-    columns = tuple(c for c in (args.text_column, args.text_pair_column) if c)
-    if args.text_pair_column and not args.text_column:
-        columns = ("text", args.text_pair_column)
-    plan = plan_for(args.output_dir, columns, args.base_model)
+    plan = plan_for(args.output_dir, args.text_column, args.text_pair_column, args.base_model)
     datasets.disable_progress_bars()  # the rows' own bar is the one to watch
     rows = plan.rows(read_file(args.input, "--input", {".conll": read_conll, ".txt": read_conll}))
     if env.world_size > 1:

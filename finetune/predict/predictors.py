@@ -149,9 +149,11 @@ def tools_of(row: dict, where: str) -> list[dict] | None:
 LABELLED = {"ForSequenceClassification": "classify", "ForTokenClassification": "tag"}
 
 
-def plan_for(folder: str | Path, text_columns: tuple[str, ...] = (), base_model: str | None = None) -> Plan:
-    """What ``folder`` holds, from its configuration alone: a classifier, tagger or embedder (reading
-    ``text_columns``, by default its recipe's ``text`` or ``tokens``) or a chat model (a model or an adapter;
+def plan_for(folder: str | Path, text_column: str | None = None, text_pair_column: str | None = None,
+             base_model: str | None = None) -> Plan:
+    """What ``folder`` holds, from its configuration alone: a classifier or tagger (reading the columns its run
+    read, each replaced where ``text_column`` or ``text_pair_column`` is given; by default its recipe's ``text`` or
+    ``tokens``), an embedder (``text_column``, by default ``text``) or a chat model (a model or an adapter;
     ``messages`` or ``prompt``).
 
     Raises:
@@ -162,12 +164,16 @@ def plan_for(folder: str | Path, text_columns: tuple[str, ...] = (), base_model:
     folder = Path(folder)
     check_trained_folder(folder)
     config_file = folder / "config.json"
-    kinds = json.loads(config_file.read_text()).get("architectures", []) if config_file.is_file() else []
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     if (folder / "modules.json").is_file():  # the embedding recipe's sentence-transformers folder
-        return Plan(folder, "embed", text_columns[:1] or ("text",))
+        return Plan(folder, "embed", (text_column or "text",))
     for suffix, kind in LABELLED.items():
-        if any(name.endswith(suffix) for name in kinds):
-            return Plan(folder, kind, text_columns or (("text",) if kind == "classify" else ("tokens",)))
+        if any(name.endswith(suffix) for name in config.get("architectures", [])):
+            columns = config.get("finetune_text_columns") or ["text" if kind == "classify" else "tokens"]
+            for position, given in enumerate((text_column, text_pair_column)):
+                if given:
+                    columns[position:position + 1] = [given]
+            return Plan(folder, kind, tuple(columns))
     trained_config(folder, base_model)
     return Plan(folder, "chat", ("messages", "prompt"), base_model)
 
