@@ -222,6 +222,28 @@ def test_sft_with_lora_in_bf16_trains_packed_and_padded(tmp_path):
         assert (out / "adapter_model.safetensors").is_file()
 
 
+def test_lora_dropout_draws_peft_s_masks_again_from_the_gpu_s_random_state():
+    """LoRA's dropout on this GPU (``DropoutLinear``, which keeps the random state, not the mask): peft's own
+    layers' log-probabilities and, within float32 rounding, gradients; other masks move them far more."""
+    from helpers import padded_batch
+    from test_lora import adapted
+
+    from finetune.tasks.causal_lm import label_log_probs
+
+    def step(model, seed):
+        torch.manual_seed(seed)
+        log_probs = label_log_probs(model, {name: value.cuda() for name, value in padded_batch().items()})[0]
+        log_probs.sum().backward()
+        return log_probs.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    (ours, our_grads), (peft_s, grads) = step(adapted(0.3).cuda(), 5), step(adapted(0.3, peft_only=True).cuda(), 5)
+    _, other_masks = step(adapted(0.3, peft_only=True).cuda(), 6)
+    assert torch.equal(ours, peft_s) and our_grads.keys() == grads.keys() and len(grads) == 28
+    for name, grad in grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-7)
+        assert not torch.allclose(other_masks[name], grad, rtol=1e-3, atol=1e-5), name
+
+
 def test_tiled_mlps_draw_their_dropout_again_from_the_gpu_s_random_state_under_autocast(monkeypatch):
     """--tiled_mlp on this GPU under bf16 autocast, LoRA's dropout on: the backward pass runs each tile again in
     bf16 (as the forward did) and draws the dropout's masks again from the GPU's random state, so the loss is that

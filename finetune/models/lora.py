@@ -13,7 +13,7 @@ from finetune.checkpointing.checkpoint import save_model
 from finetune.config import arg
 from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
-from finetune.models.memory import FOUR_BIT_BASE_FILE, dequantize_into, is_four_bit
+from finetune.models.memory import FOUR_BIT_BASE_FILE, dequantize_into, is_four_bit, random_state, restore_random_state
 
 __all__ = ["DropoutLinear", "LoraArguments", "add_lora", "save_adapter"]
 
@@ -40,27 +40,32 @@ class LoraArguments:
 
 
 class _DroppedProjection(torch.autograd.Function):
-    """``linear(dropout(x), weight)`` keeping ``x`` and the dropout's mask for the backward pass, which rebuilds
-    the dropped input from them, instead of the dropped copy itself."""
+    """``linear(dropout(x), weight)`` keeping ``x`` and the random state the dropout drew its mask from (a few KB)
+    for the backward pass, which draws the same mask again and rebuilds the dropped input, instead of keeping the
+    dropped copy or the mask."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, p: float) -> torch.Tensor:
-        dropped, mask = torch.ops.aten.native_dropout(x, p, True)  # F.dropout's kernel: the same random draws
-        ctx.save_for_backward(x, mask, weight)
-        ctx.scale = 1.0 / (1.0 - p)
+        ctx.rng, ctx.p, ctx.scale = random_state(x.device), p, 1.0 / (1.0 - p)
+        dropped, _ = torch.ops.aten.native_dropout(x, p, True)  # F.dropout's kernel: the same random draws
+        ctx.save_for_backward(x, weight)
         return torch.nn.functional.linear(dropped, weight)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x, mask, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
+        devices = [x.device] if x.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            restore_random_state(x.device, ctx.rng)
+            dropped, mask = torch.ops.aten.native_dropout(x, ctx.p, True)
         dtype = grad_output.dtype  # under autocast, the forward's matmul ran in it
         grad_x = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_dropped = (grad_output @ weight.to(dtype)).to(x.dtype)  # the dropout ran in x's dtype
-            grad_x = torch.ops.aten.native_dropout_backward(grad_dropped, mask, ctx.scale)
         if ctx.needs_input_grad[1]:
-            dropped = x.mul(mask).mul_(ctx.scale).to(dtype)  # as native_dropout computed it on a CPU
-            grad_weight = grad_output.flatten(0, -2).T @ dropped.flatten(0, -2)
+            grad_weight = grad_output.flatten(0, -2).T @ dropped.to(dtype).flatten(0, -2)
+        del dropped  # before the input's gradient, which takes as much
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad_output @ weight.to(dtype)).to(x.dtype)  # the dropout ran in x's dtype
+            grad_x.mul_(mask).mul_(ctx.scale)  # native_dropout_backward's own steps, in place
         return grad_x, grad_weight, None
 
 
@@ -69,10 +74,10 @@ class DropoutLinear(torch.nn.Linear):
 
     peft applies dropout and then A, so autograd keeps a dropped copy of every adapted layer's input for the
     backward pass, beside the input itself where another layer keeps it: q, k and v keep three copies of one
-    input. Here each layer keeps the input and the dropout's one-byte mask, and rebuilds the dropped input from
-    them when its gradient is computed: a third less kept at dropout 0.05 (5,326 MiB instead of 8,134 for
-    SmolLM2-135M at 8 x 512 tokens, bench/kept_activations.py). Masks and values are peft's (the same kernel
-    draws them)."""
+    input. Here each layer keeps the input and the random state the mask was drawn from, and draws the mask again
+    when its gradient is computed: what no dropout keeps (4,741 MiB instead of 8,134 for SmolLM2-135M at 8 x 512
+    tokens and dropout 0.05, bench/kept_activations.py). Masks and values are peft's (the same kernel draws
+    them)."""
 
     def __init__(self, projection: torch.nn.Linear, p: float):
         super().__init__(projection.in_features, projection.out_features, bias=False, device="meta")

@@ -13,8 +13,8 @@ import torch
 from finetune.errors import UserError
 
 __all__ = ["FOUR_BIT_BASE_FILE", "check_tiling", "checkpoint_activations", "dequantize_into", "four_bit_loading",
-           "is_four_bit", "keep_four_bit_trainable", "keep_less", "require_bitsandbytes", "tile_mlps",
-           "tiles_as_if_cut"]
+           "is_four_bit", "keep_four_bit_trainable", "keep_less", "random_state", "require_bitsandbytes",
+           "restore_random_state", "tile_mlps", "tiles_as_if_cut"]
 
 FOUR_BIT_BASE_FILE = "base_quantization.json"
 """Beside an adapter that trained on a 4-bit base: the base's quantization (transformers' ``BitsAndBytesConfig``),
@@ -121,7 +121,7 @@ class _TiledMLP(torch.autograd.Function):
     def forward(ctx, mlp: torch.nn.Module, tiles: int, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
         ctx.mlp, ctx.tiles, ctx.device = mlp, tiles, x.device
         ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
-        ctx.rng = _random_state(x.device)
+        ctx.rng = random_state(x.device)
         ctx.save_for_backward(x, *weights)
         parts = x.reshape(-1, x.shape[-1]).tensor_split(tiles)
         return torch.cat([mlp.untiled_forward(part) for part in parts]).reshape(*x.shape[:-1], -1)
@@ -137,7 +137,7 @@ class _TiledMLP(torch.autograd.Function):
         enabled, dtype = ctx.autocast
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
                 torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
-            _set_random_state(ctx.device, ctx.rng)
+            restore_random_state(ctx.device, ctx.rng)
             for part, grad_part in zip(x.reshape(-1, x.shape[-1]).tensor_split(ctx.tiles),
                                        grad_output.reshape(-1, grad_output.shape[-1]).tensor_split(ctx.tiles),
                                        strict=True):
@@ -153,11 +153,12 @@ class _TiledMLP(torch.autograd.Function):
         return None, None, grad_x.reshape(x.shape) if wanted else None, *grad_weights
 
 
-def _random_state(device: torch.device) -> tuple:
+def random_state(device: torch.device) -> tuple:
+    """The random state that draws on ``device`` (dropout's masks): to draw the same again in a backward pass."""
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
-def _set_random_state(device: torch.device, state: tuple) -> None:
+def restore_random_state(device: torch.device, state: tuple) -> None:
     torch.set_rng_state(state[0])
     if device.type == "cuda":
         torch.cuda.set_rng_state(state[1], device)
