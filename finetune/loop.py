@@ -257,10 +257,13 @@ class Epochs:
             if self.runtime.sync_gradients:
                 if self.cfg.max_grad_norm > 0:  # clip the gradient; its norm before clipping is logged
                     self.grad_norm = self.runtime.clip_grad_norm_(self.model, self.cfg.max_grad_norm)
-                    if self.grad_norm is not None:
-                        self.guard.note(self.grad_norm)
                 self.optimizer.step()
-                self.scheduler.step()
+                if self.runtime.optimizer_step_was_skipped():  # fp16's loss scale overflowed; the next is lower
+                    self.grad_norm = None
+                else:  # as transformers' Trainer: the schedule counts the updates made
+                    self.scheduler.step()
+                if self.grad_norm is not None:
+                    self.guard.note(self.grad_norm)
                 self.optimizer.zero_grad()
         if planned.num_real:
             real, processed = planned.tokens or (int(self.sampler.lengths[planned].sum()), padded_tokens(batch))

@@ -343,8 +343,9 @@ def test_failures_over_a_run_stop_it_past_the_share(rewards):
 def test_no_worker_is_left_after_the_pool_closes(rewards):
     with RewardPool(specs(rewards, "length", "die")) as pool:
         pool.score(["p"], ["exit"])  # one worker replaced
-        started = worker_processes()
-        assert len(started) == 2
+        # (a worker just started shows the parent's command line until it has exec'd)
+        started = wait_for(lambda: [workers for workers in [worker_processes()] if len(workers) == 2], "two workers",
+                           timeout=30)[0]
     assert worker_processes() == []
     assert not any(process.is_running() for process in started)
 

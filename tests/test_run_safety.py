@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from helpers import (
     FILE_SIZE_LIMIT,
     REPO,
@@ -235,3 +237,34 @@ def test_latest_with_every_checkpoint_damaged_is_not_advised_latest(small_data, 
         "above), so --resume_from_checkpoint latest has none to continue from; pass --overwrite_output_dir to start "
         "afresh and remove them, or resume from a copy elsewhere with --resume_from_checkpoint PATH")
     assert snapshot(out) == before
+
+
+def test_an_fp16_step_the_loss_scaler_skips_neither_stops_the_run_nor_moves_the_schedule(small_data, tiny_bert,
+                                                                                        tmp_path, monkeypatch):
+    """fp16 under Accelerate with a loss scale so large that the first step's gradients overflow: the scaler skips
+    that update and lowers its scale, and the run goes on (before, the overflowed norm stopped it as non-finite).
+    The skipped step logs no gradient norm and leaves the learning rate where it was, as transformers' Trainer
+    does. Accelerate makes a scaler on a GPU only, so this one is given to it here."""
+    import accelerate
+    from accelerate.state import AcceleratorState
+
+    init = accelerate.Accelerator.__init__
+
+    def with_scaler(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 100, backoff_factor=2.0 ** -90)
+        self.native_amp = True  # (autocast and unscaling, as on a GPU)
+
+    monkeypatch.setattr(accelerate.Accelerator, "__init__", with_scaler)
+    out = tmp_path / "out"
+    # Accelerate keeps one precision a process: this process's other runs train in float32
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        train_here("classify", *classify_flags(small_data, tiny_bert, "--mixed_precision", "fp16",
+                                               "--max_train_steps", "3", "--logging_steps", "1", "--learning_rate",
+                                               "3e-3", "--output_dir", str(out)))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    logs = log_history(out)
+    assert "grad_norm" not in logs[0] and all(math.isfinite(row["grad_norm"]) for row in logs[1:])
+    assert [row["learning_rate"] for row in logs] == pytest.approx([3e-3, 2e-3, 1e-3])

@@ -119,6 +119,11 @@ class Runtime(ABC):
     def sync_gradients(self) -> bool:
         """True inside the micro-step that ends an accumulation window: time to step the optimizer."""
 
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the optimizer step just taken (asked once after each) left the weights as they were: an fp16
+        loss scaler found gradients that overflowed, and lowered its scale for the next step."""
+        return False
+
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss``, already normalised over the whole window and all processes."""
