@@ -47,8 +47,9 @@ def announce(task: Task, cfg: TrainConfig, runtime: Runtime, source: str, setup:
         checkpoint_activations(unwrapped)
         estimate = estimate.recomputed()
         recompute = "layers recomputed in the backward pass (every activation kept would not fit), "
-    if cfg.tiled_mlp:
-        recompute += "MLPs run in tiles of positions, "
+    if cfg.tiled_mlp:  # a micro-batch no longer than a tile runs its MLPs whole
+        recompute += "MLPs run in tiles of positions, " if estimate.tile else \
+            "MLPs whole (no micro-batch is longer than a tile), "
     truncated = (int((sampler.lengths >= cfg.max_seq_length).sum()) if setup.truncated is None else setup.truncated)
     runtime.print(f"training {task.name} on {source}: {len(setup.train_set)} examples ({truncated} cut "
                   f"to --max_seq_length {cfg.max_seq_length}), {setup.summary}, {weight_dtypes(setup.model)}, "

@@ -252,6 +252,10 @@ def test_tiled_mlps_train_as_the_whole_mlps(tiny_chat_model, chat_files, tmp_pat
     # AdamW moves a weight by about the learning rate (1e-2) a step, whatever its gradient's size: where that is
     # near zero, summing tile by tile can flip an update; a hundredth of a step at most
     assert max_weight_diff(tmp_path / "tiled", tmp_path / "whole", "adapter_model.safetensors") <= 1e-4
+    if not launcher:  # rows cut to 64 tokens, one a micro-batch: no MLP input is longer than a tile (64 positions)
+        short = run_on("sft", tiny_chat_model, chat_files, tmp_path / "short", *flags, "--tiled_mlp",
+                       "--max_seq_length", "64", "--per_device_train_batch_size", "1")
+        assert "MLPs whole (no micro-batch is longer than a tile)" in short.stdout
 
 
 RANK_ONE_WOULD_NOT_FIT = """\
