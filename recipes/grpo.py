@@ -28,7 +28,7 @@ from finetune.task import TaskSetup
 from finetune.tasks import causal_lm, grpo, rollout, scoring
 from finetune.tasks.episodes import Episodes, EvalEpisodes, response_template, row_columns
 from finetune.tasks.grpo import GRPOArguments
-from finetune.tasks.preference import Reference
+from finetune.tasks.preference import Reference, policy_precision
 from finetune.tasks.rewards import RewardPool
 from finetune.tasks.tools import ToolPool
 
@@ -95,7 +95,7 @@ class GRPOTask(causal_lm.ChatTask):
             args, data.train, tokenizer, self.pool, args.weights.tolist(),
             model.generation_config.eos_token_id, world_size=env.world_size, rank=env.rank,
             per_device_batch_size=cfg.per_device_train_batch_size, accumulation_steps=cfg.gradient_accumulation_steps,
-            seed=cfg.seed, reference=Reference(model, precision=causal_lm.run_precision(cfg)) if args.beta else None,
+            seed=cfg.seed, reference=Reference(model, **policy_precision(cfg)) if args.beta else None,
             kept=Path(cfg.output_dir) / self.run_files[env.rank], episodes=episodes)
         if episodes:  # scored where they ran: their messages and the tools' state stay there
             self.evaluation = EvalEpisodes(episodes, data.validation, self.pool, args.weights,

@@ -243,9 +243,9 @@ def test_a_template_saved_with_the_run_s_options_renders_them_where_a_caller_giv
     caller's own option wins over the saved one."""
     from finetune.tasks.chat import template_with_defaults
 
-    options = {"a": [1, 'x\n"', {"k": True, "n": None}], "b": 2.5, "c": None, "d": False}
-    template = template_with_defaults("{{ a|tojson }} {{ b }} {{ c is none }} {{ d }}", options)
+    options = {"a": [1, 'x\n"\\ é 😀', {"k": True, "n": None}], "b": 2.5, "c": None, "d": False}
+    template = template_with_defaults("\n{{ a|tojson }} {{ b }} {{ c is none }} {{ d }}", options)
     assert render_jinja_template([[{"role": "user", "content": "hi"}]], chat_template=template)[0][0] == \
-        '[1, "x\\n\\"", {"k": true, "n": null}] 2.5 True False'
+        '\n[1, "x\\n\\"\\\\ é 😀", {"k": true, "n": null}] 2.5 True False'
     assert render_jinja_template([[{"role": "user", "content": "hi"}]], chat_template=template, b=3, d=True)[0][0] \
         .endswith(" 3 True True")

@@ -14,6 +14,7 @@ from helpers import (
     assert_same_steps,
     classify_flags,
     launch_cmd,
+    load_recipe,
     log_history,
     max_weight_diff,
     read_jsonl,
@@ -211,3 +212,8 @@ def test_predict_reads_the_columns_the_run_read_and_cuts_texts_where_it_cut_them
         assert max(abs(a - b) for a, b in zip(other, expected, strict=True)) > 1e-4
     with pytest.raises(SystemExit):
         run_main(predict_main, [str(out), "--input", str(small_data["validation"]), "--output", str(tmp_path / "x")])
+    # A --max_seq_length past the tokenizer's own length (MiniLM's position embeddings hold 512) saves its own
+    run_main(load_recipe("classify").main, [*classify_flags(small_data, tiny_bert, "--max_seq_length", "1024",
+                                                            "--max_train_steps", "1", "--output_dir",
+                                                            str(tmp_path / "long"))])
+    assert AutoTokenizer.from_pretrained(tmp_path / "long").model_max_length == 512

@@ -157,13 +157,15 @@ def test_gradient_checkpointing_trains_exactly_as_keeping_the_activations(tiny_m
     assert max_weight_diff(tmp_path / "recomputed", tmp_path / "kept", "adapter_model.safetensors") <= 1e-5
 
 
+@pytest.mark.parametrize("sharded", [[], ["--fsdp"]], ids=["accelerate", "fsdp"])
 def test_under_bf16_the_frozen_reference_runs_as_the_policy_so_the_first_rewards_are_0(tiny_model, pair_files,
-                                                                                         tmp_path):
-    """The runtime runs the policy's forward under bf16 autocast; a frozen copy run in float32 beside it gives
-    rewards (0.1 x the log-probabilities' difference) that are not 0 before any step."""
+                                                                                         tmp_path, sharded):
+    """Accelerate runs the policy's forward under bf16 autocast, --fsdp with its weights gathered in bf16 and no
+    autocast; a frozen copy run in float32 beside the one, or under autocast beside the other, gives rewards
+    (0.1 x the log-probabilities' difference) that are not 0 before any step (-0.0002 under --fsdp)."""
     out = tmp_path / "out"
     run_on("dpo", tiny_model, pair_files, out, "--max_train_steps", "1", "--no_use_lora", "--mixed_precision", "bf16",
-           "--per_device_train_batch_size", "4", launcher="python")  # (this process's Accelerator state is float32)
+           "--per_device_train_batch_size", "4", *sharded, launcher="python")  # (this process's Accelerator is float32)
     first = log_history(out)[0]
     assert first["rewards_chosen"] == first["rewards_rejected"] == 0.0 and first["loss"] == pytest.approx(math.log(2))
 

@@ -194,12 +194,13 @@ def test_a_chat_run_s_template_options_and_a_row_s_tools_prompt_as_the_run_train
     wins), and predict prompts each row with it and the row's ``tools``; a row whose tools are not schemas is
     refused in one line before the model loads."""
     import copy
+    import types
 
     import trl
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.tasks.causal_lm import ChatModelArguments, save_chat_model
+    from finetune.tasks.causal_lm import ChatModelArguments, ChatTask
 
     qwen3 = copy.deepcopy(chat_tokenizer)
     qwen3.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
@@ -208,9 +209,10 @@ def test_a_chat_run_s_template_options_and_a_row_s_tools_prompt_as_the_run_train
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
                            LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     model.generation_config.eos_token_id = [2]
-    args = ChatModelArguments(chat_template_kwargs='{"enable_thinking": false}')
-    save_chat_model(model, model.state_dict(), qwen3, str(tmp_path / "sft"), args)
-    assert qwen3.chat_template == (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    task = type("Chat", (ChatTask,), {"what": "chat"})(ChatModelArguments(
+        chat_template_kwargs='{"enable_thinking": false}'))
+    run_tokenizer = task.load_tokenizer(types.SimpleNamespace(model_name_or_path=str(base), trust_remote_code=False))
+    task.save(model, model.state_dict(), run_tokenizer, str(tmp_path / "sft"))
 
     saved = AutoTokenizer.from_pretrained(tmp_path / "sft")
     chat = [{"role": "user", "content": TICKETS[0]}]

@@ -73,8 +73,24 @@ def test_the_adapter_trains_loads_on_the_float_base_and_merges_into_the_model_th
     # where the adapter on the original float weights is off by the quantization's error.
     assert (merged - trained).abs().max() < 1e-4
     assert (exported - trained).abs().max() < 1e-4
-    assert json.loads((out / FOUR_BIT_BASE_FILE).read_text())["load_in_4bit"]
+    assert json.loads((out / FOUR_BIT_BASE_FILE).read_text())["quantization_config"]["load_in_4bit"]
     assert (float_base - trained).abs().max() > 1e-2
+
+
+def test_over_a_base_quantized_from_bfloat16_export_merges_into_the_same_4_bit_weights(tiny_chat_model, chat_files,
+                                                                                         tmp_path):
+    """--dtype bfloat16 quantizes the base from its bf16 values, whose 4-bit codes differ from the float32 ones':
+    what export and predict merge (quantized again from the dtype the folder records) is ``merged/``, which the run
+    folded into its own 4-bit weights."""
+    out = tmp_path / "out"
+    run_on("sft", tiny_chat_model, chat_files, out, *FLAGS, "--max_train_steps", "1", "--merge_lora", "--dtype",
+           "bfloat16")
+    assert json.loads((out / FOUR_BIT_BASE_FILE).read_text())["dtype"] == "bfloat16"
+    rows = torch.randint(0, 2000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exported = load_trained(out).model(rows).logits
+        merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()(rows).logits
+    assert (exported - merged).abs().max() < 1e-5
 
 
 def test_an_evaluation_between_steps_changes_no_gradient(tiny_chat_model, chat_files, tmp_path):

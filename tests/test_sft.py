@@ -426,6 +426,8 @@ BAD = {
                                                 "--chat_template_kwargs", "[1]"),
     "a template option no template can read": (None, None, "--chat_template_kwargs names 'enable-thinking'",
                                                 "--chat_template_kwargs", '{"enable-thinking": false}'),
+    "a template option named as a Jinja word": (None, None, "--chat_template_kwargs names one of Jinja's own words",
+                                                "--chat_template_kwargs", '{"true": 1}'),
     "an image part": ([{"messages": [{"role": "user", "content": [{"type": "image", "url": "a.png"}]},
                                      {"role": "assistant", "content": "A cat."}]}] * 2, None,
                       "train row 1, message 1: content holds image besides text; the chat recipes train text models"),

@@ -29,7 +29,9 @@ def go_template(jinja: str | None, render) -> str | None:
     if "<|im_start|>" in jinja:
         # What the template writes before a conversation without a system message (its default system turn), and
         # its generation prompt (Qwen3's with thinking off holds an empty think block).
-        before, after = render([{"role": "user", "content": MARK}]).split(f"<|im_start|>user\n{MARK}<|im_end|>\n")
+        before, turn, after = render([{"role": "user", "content": MARK}]).partition(
+            f"<|im_start|>user\n{MARK}<|im_end|>\n")
+        after = after if turn else "<|im_start|>assistant\n"
         default = before if before.startswith("<|im_start|>system\n") else ""
         return (ANY_SYSTEM + (f"{{{{- if not $system }}}}{default}{{{{ end }}}}" if default else "")
                 + "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}" + after)

@@ -173,13 +173,13 @@ def load_labelled_encoder(auto_class, cfg, label_names: list[str], text_columns:
 
     What the run reads goes into the folder it saves, for ``predict`` and pipelines to read alike: its
     ``text_columns`` (the configuration's ``finetune_text_columns``) and the length texts are cut at
-    (``tokenizer.model_max_length``, ``--max_seq_length``).
+    (``tokenizer.model_max_length``: ``--max_seq_length``, or the tokenizer's own where that is shorter).
     """
     model = load_model(auto_class, cfg.model_name_or_path or default_model_path(), num_labels=len(label_names),
                        id2label=dict(enumerate(label_names)), label2id={n: i for i, n in enumerate(label_names)},
                        trust_remote_code=cfg.trust_remote_code)
     model.config.finetune_text_columns = list(text_columns)
-    tokenizer.model_max_length = cfg.max_seq_length
+    tokenizer.model_max_length = min(cfg.max_seq_length, tokenizer.model_max_length)
     return model
 
 

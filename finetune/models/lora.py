@@ -129,8 +129,10 @@ def save_adapter(model, state_dict: dict, tokenizer, output_dir: str, merge: boo
     where the base was held in 4 bits)."""
     had_card = os.path.exists(os.path.join(output_dir, "README.md"))
     model.save_pretrained(output_dir, state_dict=state_dict)  # peft keeps only the adapter's weights
-    if is_four_bit(model):
-        quantization = model.get_base_model().config.quantization_config.to_dict()
+    if is_four_bit(model):  # the dtype its weights were quantized from (--dtype) changes their 4-bit codes
+        weight = next(parameter for parameter in model.parameters() if hasattr(parameter, "quant_state"))
+        quantization = {"dtype": str(weight.quant_state.dtype).removeprefix("torch."),
+                        "quantization_config": model.get_base_model().config.quantization_config.to_dict()}
         with open(os.path.join(output_dir, FOUR_BIT_BASE_FILE), "w") as f:
             f.write(json.dumps(quantization, indent=2) + "\n")
     if not had_card:  # peft writes a placeholder card; the loop writes the real one when pushing

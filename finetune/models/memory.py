@@ -17,8 +17,9 @@ __all__ = ["FOUR_BIT_BASE_FILE", "check_tiling", "checkpoint_activations", "dequ
            "restore_random_state", "tile_mlps", "tiles_as_if_cut"]
 
 FOUR_BIT_BASE_FILE = "base_quantization.json"
-"""Beside an adapter that trained on a 4-bit base: the base's quantization (transformers' ``BitsAndBytesConfig``),
-so that what merges it later folds it into the weights it trained on, not the original ones."""
+"""Beside an adapter that trained on a 4-bit base: the base's quantization (transformers' ``BitsAndBytesConfig``)
+and the dtype its weights were quantized from, so that what merges it later folds it into the weights it trained
+on, not the original ones."""
 
 
 def checkpoint_activations(model: torch.nn.Module) -> None:

@@ -80,7 +80,7 @@ def load_trained(folder: str | Path, base_model: str | None = None) -> Trained:
     import transformers
 
     from finetune.models.loading import from_pretrained, load_model
-    from finetune.models.memory import FOUR_BIT_BASE_FILE, dequantize_into, four_bit_loading
+    from finetune.models.memory import FOUR_BIT_BASE_FILE, dequantize_into
 
     folder = Path(folder)
     trained_config(folder, base_model)
@@ -89,8 +89,11 @@ def load_trained(folder: str | Path, base_model: str | None = None) -> Trained:
     if base:
         from peft import PeftModel
 
-        if (folder / FOUR_BIT_BASE_FILE).is_file():
-            four_bit = load_model(transformers.AutoModelForCausalLM, base, **four_bit_loading(torch.float32))
+        if (folder / FOUR_BIT_BASE_FILE).is_file():  # quantized again as it trained: from the same dtype
+            saved = json.loads((folder / FOUR_BIT_BASE_FILE).read_text())
+            four_bit = load_model(transformers.AutoModelForCausalLM, base, dtype=getattr(torch, saved["dtype"]),
+                                  quantization_config=transformers.BitsAndBytesConfig.from_dict(
+                                      saved["quantization_config"]))
             dequantize_into(four_bit, model)
             del four_bit
         model = PeftModel.from_pretrained(model, folder).merge_and_unload()

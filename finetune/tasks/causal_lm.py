@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import jinja2
 import torch
 import transformers
 from torch.utils.checkpoint import checkpoint
@@ -113,6 +114,11 @@ class ChatModelArguments(CausalLMArguments, LoraArguments):
         if unnamed:
             raise UserError(f"--chat_template_kwargs names {', '.join(unnamed)}: give options by the names the "
                             "template reads (letters, digits and _)")
+        try:  # Jinja's own words (true, none, not, ...) name no variable the saved template could set
+            jinja2.Environment().parse(template_with_defaults("", options))
+        except jinja2.TemplateSyntaxError:
+            raise UserError(f"--chat_template_kwargs names one of Jinja's own words ({', '.join(options)}): give "
+                            "options by the names the template reads") from None
 
     def loading_options(self, cfg) -> dict:
         """``from_pretrained``'s keyword arguments for the model: its dtype (``--dtype``), and under
@@ -149,8 +155,11 @@ def chat_model_card(what: str, use_lora: bool) -> ModelCardInfo:
                'from transformers import pipeline\nchat = pipeline("text-generation", model="{repo_id}")'))
 
 
-def load_chat_tokenizer(cfg, chat_template: str | None):
-    """The tokenizer of ``--model_name_or_path`` (default: the default chat model) with a chat template.
+def load_chat_tokenizer(cfg, chat_template: str | None, template_options: dict | None = None):
+    """The tokenizer of ``--model_name_or_path`` (default: the default chat model) with a chat template, which
+    takes ``template_options`` (``--chat_template_kwargs``) wherever its caller gives none: every save of the run
+    (the model, a checkpoint pushed to the Hub, a merged folder) then prompts the model as it trained, for
+    transformers, vLLM, llama.cpp and Ollama alike.
 
     Raises:
         UserError: it cannot be loaded, or has no chat template and ``chat_template`` (a file) gives none.
@@ -158,6 +167,8 @@ def load_chat_tokenizer(cfg, chat_template: str | None):
     model_path = cfg.model_name_or_path or default_chat_model_path()
     tokenizer = from_pretrained(transformers.AutoTokenizer, model_path, trust_remote_code=cfg.trust_remote_code)
     require_chat_template(tokenizer, chat_template, model_path)
+    if template_options:
+        tokenizer.chat_template = template_with_defaults(tokenizer.chat_template, template_options)
     if tokenizer.pad_token is None:  # Llama 3.x, Mistral v0.3: pad batches and generation with the end of text, as TRL
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -201,7 +212,7 @@ class ChatTask:
         self.card = chat_model_card(self.what, args.use_lora)
 
     def load_tokenizer(self, cfg):
-        return load_chat_tokenizer(cfg, self.args.chat_template)
+        return load_chat_tokenizer(cfg, self.args.chat_template, self.args.template_options)
 
     def data_options(self, cfg):  # the chat template is the tokenizer's, which the key hashes
         return {"max_seq_length": cfg.max_seq_length, "chat_template_kwargs": self.args.template_options}
@@ -267,24 +278,7 @@ class EvalReplies:
 
 def save_chat_model(model, state_dict: dict, tokenizer, output_dir: str, args: ChatModelArguments) -> None:
     """The adapter (with ``--merge_lora`` the merged model too) or, without LoRA, the whole model; each with the
-    ``generation_config.json`` that stops at the template's end of turn, and a chat template that takes the run's
-    ``--chat_template_kwargs`` where a caller gives none."""
-    with _saved_template_defaults(tokenizer, args.template_options):
-        _save_chat_model(model, state_dict, tokenizer, output_dir, args)
-
-
-@contextlib.contextmanager
-def _saved_template_defaults(tokenizer, options: dict) -> Iterator[None]:
-    template = tokenizer.chat_template
-    if options and template:
-        tokenizer.chat_template = template_with_defaults(template, options)
-    try:
-        yield
-    finally:
-        tokenizer.chat_template = template
-
-
-def _save_chat_model(model, state_dict: dict, tokenizer, output_dir: str, args: ChatModelArguments) -> None:
+    ``generation_config.json`` that stops at the template's end of turn."""
     if args.use_lora:
         save_adapter(model, state_dict, tokenizer, output_dir, merge=args.merge_lora)
         # Loaders take the base model's generation config, which may not stop there: this copy is for generate()

@@ -382,8 +382,9 @@ def template_with_defaults(template: str | dict, options: dict) -> str | dict:
     transformers, vLLM, llama.cpp and Ollama alike, and a caller's own options still win."""
     if isinstance(template, dict):
         return {name: template_with_defaults(text, options) for name, text in template.items()}
-    return "".join(f"{{%- if {name} is not defined %}}{{%- set {name} = {_jinja_literal(value)} %}}{{%- endif %}}"
-                   for name, value in options.items()) + template
+    defaults = "".join(f"{{%- if {name} is not defined %}}{{%- set {name} = {_jinja_literal(value)} %}}{{%- endif %}}"
+                       for name, value in options.items())
+    return defaults + "\n" * template.startswith("\n") + template  # (a block's end takes the newline after it)
 
 
 def _jinja_literal(value) -> str:
@@ -393,8 +394,8 @@ def _jinja_literal(value) -> str:
     if isinstance(value, list):
         return f"[{', '.join(map(_jinja_literal, value))}]"
     if isinstance(value, dict):
-        return f"{{{', '.join(f'{json.dumps(key)}: {_jinja_literal(item)}' for key, item in value.items())}}}"
-    return json.dumps(value)
+        return f"{{{', '.join(f'{_jinja_literal(key)}: {_jinja_literal(item)}' for key, item in value.items())}}}"
+    return json.dumps(value, ensure_ascii=False)  # Jinja reads an escaped pair of surrogates as two characters
 
 
 def write_generations(path: str, rows: datasets.Dataset, generations: list[str]) -> None:

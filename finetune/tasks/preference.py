@@ -31,6 +31,7 @@ from finetune.checkpointing.files import replacing
 from finetune.data.batching import LENGTH, LOSS_UNITS
 from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
 from finetune.distributed.ddp import all_gather_padded, all_reduce_max, unwrap
+from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError
 from finetune.models.loading import default_chat_model_path
 from finetune.tasks.causal_lm import (
@@ -44,9 +45,9 @@ from finetune.tasks.causal_lm import (
 from finetune.tasks.chat import check_conversation, render_last_reply, rows_tools, without_nulls
 
 __all__ = ["LOSS_TYPES", "PAIR_FIGURES", "Precomputation", "PromptRepliesCollator", "Reference",
-           "check_loss_options", "dpo_loss", "load_policy_and_reference",
-           "pair_figures", "pair_log_probs", "pair_metrics", "precomputed_reference", "preference_layout",
-           "preview_pairs", "read_pairs", "reference_key", "tokenize_pairs", "write_pair_predictions"]
+           "check_loss_options", "dpo_loss", "load_policy_and_reference", "pair_figures", "pair_log_probs",
+           "pair_metrics", "policy_precision", "precomputed_reference", "preference_layout", "preview_pairs",
+           "read_pairs", "reference_key", "tokenize_pairs", "write_pair_predictions"]
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
 
@@ -299,14 +300,19 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 class Reference:
     """The reference model: with LoRA, the policy itself with its adapters switched off; without, a frozen copy
-    of the policy as it was given, run under the autocast of the run's ``precision`` as the runtime runs the
-    policy (else the two differ at step 0). Either runs in eval mode (no dropout), under ``no_grad``. With a
+    of the policy as it was given, run as the runtime runs the policy (else the two differ at step 0): under
+    ``autocast_dtype``'s autocast, with its weights (not its buffers) in ``weights_dtype`` where FSDP's
+    mixed-precision policy gathers the policy's so. Either runs in eval mode (no dropout), under ``no_grad``. With a
     ``precomputation``, training batches read their reference from a table computed once."""
 
-    def __init__(self, model, precomputation: Precomputation | None = None, precision: str = "no"):
+    def __init__(self, model, precomputation: Precomputation | None = None, autocast_dtype: torch.dtype | None = None,
+                 weights_dtype: torch.dtype | None = None):
         self.frozen = None if hasattr(model, "disable_adapter") else copy.deepcopy(model).eval().requires_grad_(False)
+        if self.frozen is not None and weights_dtype is not None:
+            for weight in self.frozen.parameters():
+                weight.data = weight.data.to(weights_dtype)
         self.precomputation, self.table = precomputation, None
-        self.autocast_dtype = AUTOCAST_DTYPES.get(precision)
+        self.autocast_dtype = autocast_dtype
 
     def training_log_probs(self, policy, batch: dict, index: torch.Tensor) -> torch.Tensor:
         """``[pairs, 2]``: the reference of a training batch whose pairs are ``index``, live or from the
@@ -362,6 +368,16 @@ def preview_pairs(pairs: datasets.Dataset, tokenizer, count: int) -> list[dict]:
     return previews
 
 
+def policy_precision(cfg) -> dict:
+    """``Reference``'s ``autocast_dtype`` and ``weights_dtype`` for a run, as its runtime runs the policy:
+    Accelerate under autocast (with FSDP's bf16 weights too), torchrun --fsdp with its weights gathered in bf16
+    and no autocast, raw DDP under autocast."""
+    precision = run_precision(cfg)
+    sharded_bf16 = precision == "bf16" and (cfg.fsdp or LaunchEnvironment.read().accelerate_fsdp)
+    return {"autocast_dtype": None if cfg.fsdp else AUTOCAST_DTYPES.get(precision),
+            "weights_dtype": torch.bfloat16 if sharded_bf16 else None}
+
+
 def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set, collate, table_path: Path
                               ) -> tuple[torch.nn.Module, Reference, str]:
     """The model preference tuning trains (``--model_name_or_path``, by default the default chat model; an adapter
@@ -379,18 +395,18 @@ def load_policy_and_reference(cfg, args, tokenizer, data_folder: Path, train_set
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     precomputation = None
-    precision = run_precision(cfg)
+    precision = policy_precision(cfg)
     # --prepare_only counts the memory with the live reference: the same for the backward pass, and no table made
     if args.precompute_ref_log_probs and not cfg.prepare_only:
         precomputation = Precomputation(train_set, collate, cfg.per_device_eval_batch_size,
                                         args.per_device_eval_max_tokens, table_path,
-                                        key=reference_key(model, precision, data_folder))
+                                        key=reference_key(model, str(precision), data_folder))
     model, adapters = adapt_chat_model(model, args, tokenizer)
     folded = is_adapter_folder(name) and (
         f"from {name} folded into its base model (the saved adapter applies to that model; --merge_lora also saves "
         "one that stands alone)")
     summary = [f"{'precomputed' if precomputation else 'live'} reference", adapters, folded]
-    return model, Reference(model, precomputation, precision), ", ".join(filter(None, summary))
+    return model, Reference(model, precomputation, **precision), ", ".join(filter(None, summary))
 
 
 def reference_key(model, precision: str, data_folder: Path) -> str:
