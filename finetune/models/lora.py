@@ -13,7 +13,7 @@ from finetune.checkpointing.checkpoint import save_model
 from finetune.config import arg
 from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
-from finetune.models.memory import FOUR_BIT_BASE_FILE, dequantize_into, is_four_bit, random_state, restore_random_state
+from finetune.models.memory import FOUR_BIT_BASE_FILE, dequantize_into, is_four_bit, random_state, replaying
 
 __all__ = ["DropoutLinear", "LoraArguments", "add_lora", "save_adapter"]
 
@@ -54,9 +54,7 @@ class _DroppedProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x, weight = ctx.saved_tensors
-        devices = [x.device] if x.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            restore_random_state(x.device, ctx.rng)
+        with replaying(ctx.rng, x.device):
             dropped, mask = torch.ops.aten.native_dropout(x, ctx.p, True)
         dtype = grad_output.dtype  # under autocast, the forward's matmul ran in it
         grad_x = grad_weight = None

@@ -7,14 +7,15 @@ import contextlib
 import contextvars
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 
 from finetune.errors import UserError
 
 __all__ = ["FOUR_BIT_BASE_FILE", "check_tiling", "checkpoint_activations", "dequantize_into", "four_bit_loading",
-           "is_four_bit", "keep_four_bit_trainable", "keep_less", "random_state", "require_bitsandbytes",
-           "restore_random_state", "tile_mlps", "tiles_as_if_cut"]
+           "is_four_bit", "keep_four_bit_trainable", "keep_less", "random_state", "replaying",
+           "require_bitsandbytes", "tile_mlps", "tiles_as_if_cut"]
 
 FOUR_BIT_BASE_FILE = "base_quantization.json"
 """Beside an adapter that trained on a 4-bit base: the base's quantization (transformers' ``BitsAndBytesConfig``)
@@ -134,11 +135,9 @@ class _TiledMLP(torch.autograd.Function):
         grad_x = torch.empty_like(x).reshape(-1, x.shape[-1]) if wanted else None
         grad_weights = [None] * len(weights)
         start = 0
-        devices = [ctx.device] if ctx.device.type == "cuda" else []
         enabled, dtype = ctx.autocast
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+        with replaying(ctx.rng, ctx.device), torch.enable_grad(), \
                 torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
-            restore_random_state(ctx.device, ctx.rng)
             for part, grad_part in zip(x.reshape(-1, x.shape[-1]).tensor_split(ctx.tiles),
                                        grad_output.reshape(-1, grad_output.shape[-1]).tensor_split(ctx.tiles),
                                        strict=True):
@@ -155,23 +154,29 @@ class _TiledMLP(torch.autograd.Function):
 
 
 def random_state(device: torch.device) -> tuple:
-    """The random state that draws on ``device`` (dropout's masks): to draw the same again in a backward pass."""
+    """The random state that draws on ``device`` (dropout's masks), for ``replaying``."""
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
-def restore_random_state(device: torch.device, state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state[1], device)
+@contextlib.contextmanager
+def replaying(state: tuple, device: torch.device) -> Iterator[None]:
+    """Draws on ``device`` inside the block start from ``state`` (``random_state``), so that a backward pass draws
+    what its forward drew; the random state outside the block is left as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state[1], device)
+        yield
 
 
-def require_bitsandbytes() -> None:
-    """Raises ``UserError`` naming the extra to install when bitsandbytes is missing."""
+def require_bitsandbytes(needs: str = "--load_in_4bit", otherwise: str = ", or leave the flag off") -> None:
+    """Raises ``UserError`` naming the extra to install when bitsandbytes is missing: ``needs`` it, ``otherwise``
+    the way round it."""
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise UserError('--load_in_4bit needs bitsandbytes: pip install -e ".[qlora]" (or pip install '
-                        'bitsandbytes), or leave the flag off')
+        raise UserError(f'{needs} needs bitsandbytes: pip install -e ".[qlora]" (or pip install bitsandbytes)'
+                        f"{otherwise}")
 
 
 def four_bit_loading(compute_dtype: torch.dtype) -> dict:

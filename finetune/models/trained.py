@@ -4,7 +4,6 @@ end at."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,13 +50,13 @@ def trained_config(folder: str | Path, base_model: str | None = None):
     import transformers
 
     from finetune.models.loading import from_pretrained
-    from finetune.models.memory import FOUR_BIT_BASE_FILE
+    from finetune.models.memory import FOUR_BIT_BASE_FILE, require_bitsandbytes
 
     folder = Path(folder)
     base = _base_of(folder, base_model)
-    if base and (folder / FOUR_BIT_BASE_FILE).is_file() and importlib.util.find_spec("bitsandbytes") is None:
-        raise UserError(f"{folder} is an adapter trained on a 4-bit base, which merging it quantizes again to fold it "
-                        'into the weights it trained on: pip install -e ".[qlora]" (or pip install bitsandbytes)')
+    if base and (folder / FOUR_BIT_BASE_FILE).is_file():
+        require_bitsandbytes(f"{folder} is an adapter trained on a 4-bit base, which merging it quantizes again to "
+                             "fold it into the weights it trained on: it", otherwise="")
     try:
         config = from_pretrained(transformers.AutoConfig, base or str(folder))
     except UserError as err:

@@ -111,7 +111,7 @@ class AccelerateRuntime(Runtime):
             # wrapped holds them (BERT's embedding layer is in _no_split_modules): the blocks as torchrun --fsdp.
             self.accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = transformer_block_classes(model)
         prepared = self.accelerator.prepare(model, optimizer, scheduler, *loaders)
-        self._loss_scale = self.accelerator.scaler.get_scale() if self.accelerator.scaler else None
+        self._loss_scale = self._scale()
         if self.shards:
             generate_in_lockstep(prepared[0])
             self._prepared = (prepared[0], optimizer, scheduler)  # the optimizer now steps the shards
@@ -140,10 +140,12 @@ class AccelerateRuntime(Runtime):
     def optimizer_step_was_skipped(self):
         # Accelerate's own flag misses the skips of a fused optimizer, whose kernel takes the overflow check: the
         # scaler lowers its scale after exactly the steps it skipped.
-        if self.accelerator.scaler is None:
-            return False
-        before, self._loss_scale = self._loss_scale, self.accelerator.scaler.get_scale()
-        return self._loss_scale < before
+        before, self._loss_scale = self._loss_scale, self._scale()
+        return before is not None and self._loss_scale < before
+
+    def _scale(self) -> float | None:
+        """The fp16 loss scaler's scale (None without one)."""
+        return self.accelerator.scaler.get_scale() if self.accelerator.scaler else None
 
     def backward(self, loss):
         # Accelerate divides by the accumulation steps (as DeepSpeed's engine does); the loop's loss is
@@ -190,7 +192,7 @@ class AccelerateRuntime(Runtime):
             load_sharded_state(folder, *self._prepared, self.rank)
         else:
             self.accelerator.load_state(str(folder))
-            self._loss_scale = self.accelerator.scaler.get_scale() if self.accelerator.scaler else None
+            self._loss_scale = self._scale()
 
     def close(self):
         self.accelerator.end_training()

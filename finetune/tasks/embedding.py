@@ -24,6 +24,7 @@ from finetune.distributed.ddp import all_gather_rows, world_size
 from finetune.errors import UserError
 from finetune.models.loading import load_model
 from finetune.models.lora import LoraArguments, add_lora
+from finetune.models.memory import random_state, replaying
 from finetune.models.sentence_folder import Pooling
 from finetune.tasks.metrics import correlations, retrieval_metrics
 
@@ -243,7 +244,7 @@ class CachedGradients:
         states, local, scores = [], [], []
         with torch.no_grad():
             for batch, planned in window:
-                states.append(_random_state(batch["input_ids_0"].device))
+                states.append(random_state(batch["input_ids_0"].device))
                 embeddings = row_embeddings(model, batch, self.pooling, self.texts)
                 local.append(embeddings[:planned.num_real])  # a filler row keeps its rank stepping, nothing more
                 scores.append(batch["score"][:planned.num_real] if "score" in batch else embeddings.new_zeros(0))
@@ -271,19 +272,8 @@ class CachedGradients:
         if "embedding_gradients" not in batch:
             embeddings = row_embeddings(model, batch, self.pooling, self.texts)
             return self.objective(embeddings, batch.get("score")) * len(embeddings)
-        device = batch["input_ids_0"].device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            _set_random_state(batch["random_state"], device)
+        with replaying(batch["random_state"], batch["input_ids_0"].device):
             embeddings = row_embeddings(model, batch, self.pooling, self.texts)
         surrogate = (embeddings * batch["embedding_gradients"]).sum()
         return surrogate - surrogate.detach() + batch["loss_share"]
 
-
-def _random_state(device: torch.device) -> tuple:
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_random_state(state: tuple, device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
