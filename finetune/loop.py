@@ -52,6 +52,7 @@ from finetune.errors import UserError
 from finetune.evaluation import Evaluation
 from finetune.hub.pusher import HubPusher, download_last_checkpoint, model_card
 from finetune.models.loading import optimizer_param_groups
+from finetune.models.lora import save_base_quantization
 from finetune.models.memory import check_tiling, keep_less
 from finetune.observability.metering import TrainingMeter
 from finetune.runtimes.base import Runtime, TrackerSettings
@@ -100,7 +101,8 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         set_seed(cfg.seed)
         hub = HubPusher(enabled=cfg.push_to_hub and runtime.is_main_process, output_dir=cfg.output_dir,
                         repo_id=cfg.hub_model_id, token=cfg.hub_token, private=cfg.hub_private_repo,
-                        revision=cfg.hub_revision, strategy=cfg.hub_strategy, timeout=cfg.hub_timeout)
+                        revision=cfg.hub_revision, strategy=cfg.hub_strategy, timeout=cfg.hub_timeout,
+                        save_beside_adapter=save_base_quantization)
 
         # -- data (tokenized once into a cache every process memory-maps) and model, from the task; training
         # batches planned globally (see finetune.data.cache and finetune.data.batching)

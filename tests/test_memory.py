@@ -82,6 +82,37 @@ def test_checkpointed_layers_keep_a_fraction_and_recompute_the_same_loss_and_gra
         torch.testing.assert_close(gradients_checkpointed[name], gradient, rtol=1e-6, atol=0, msg=name)
 
 
+def test_a_backward_pass_replays_the_random_state_of_the_accelerator_it_draws_on_any_kind(monkeypatch):
+    """LoRA's dropout and the tiled MLP draw their masks again in the backward pass from the state the forward had:
+    on an accelerator other than CUDA (MPS, XPU) that is its own device module's state, which the block sets and
+    then leaves as it found it (read as torch.mps and torch.xpu give it; here a stand-in for one, with no such
+    device on this machine)."""
+
+    class Accelerator:  # torch.mps's and torch.xpu's random-state functions, over a CPU generator
+        def __init__(self):
+            self.generator = torch.Generator().manual_seed(7)
+
+        def get_rng_state(self, device):
+            assert device == torch.device("mps")
+            return self.generator.get_state()
+
+        def set_rng_state(self, state, device):
+            assert device == torch.device("mps")
+            self.generator.set_state(state)
+
+    accelerator, device_module = Accelerator(), torch.get_device_module
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: accelerator if kind == "mps" else device_module(kind))
+    mps = torch.device("mps")
+    state = memory_module.random_state(mps)
+    forward_draws = torch.rand(4, generator=accelerator.generator), torch.rand(4)
+    after = accelerator.generator.get_state(), torch.get_rng_state()
+    with memory_module.replaying(state, mps):
+        replayed = torch.rand(4, generator=accelerator.generator), torch.rand(4)
+        torch.rand(4, generator=accelerator.generator)
+    assert all(torch.equal(a, b) for a, b in zip(replayed, forward_draws, strict=True))
+    assert torch.equal(accelerator.generator.get_state(), after[0]) and torch.equal(torch.get_rng_state(), after[1])
+
+
 def test_a_model_that_cannot_recompute_its_layers_is_refused():
     class Plain(torch.nn.Module):
         supports_gradient_checkpointing = False

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from helpers import (
+    HUB_TOKEN,
     assert_refused,
     assert_same_steps,
     log_history,
@@ -17,6 +18,7 @@ from helpers import (
     train_here,
     write_jsonl,
 )
+from huggingface_hub import constants
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -48,9 +50,18 @@ def four_bit(model_path):
 
 
 def test_the_adapter_trains_loads_on_the_float_base_and_merges_into_the_model_that_trained(tiny_chat_model,
-                                                                                          chat_files, tmp_path):
+                                                                                          chat_files, tmp_path,
+                                                                                          hub, monkeypatch):
+    """And each checkpoint pushed to the Hub carries the base's quantization beside its adapter, as the final
+    folder does, so that it merges into the same weights."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # conftest turned this process offline
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    for name, value in hub.env.items():
+        monkeypatch.setenv(name, value)
     out = tmp_path / "out"
-    result = run_on("sft", tiny_chat_model, chat_files, out, *FLAGS, "--max_train_steps", "4", "--merge_lora")
+    result = run_on("sft", tiny_chat_model, chat_files, out, *FLAGS, "--max_train_steps", "4", "--merge_lora",
+                    "--checkpointing_steps", "2", "--push_to_hub", "--hub_model_id", "alice/qlora", "--hub_token",
+                    HUB_TOKEN)
     assert "over the base's linear layers in 4-bit NF4, computing in float32" in result.stdout
     assert "weights trained in float32, frozen in float32/nf4" in result.stdout
     losses = [row["loss"] for row in log_history(out)]
@@ -74,6 +85,11 @@ def test_the_adapter_trains_loads_on_the_float_base_and_merges_into_the_model_th
     assert (merged - trained).abs().max() < 1e-4
     assert (exported - trained).abs().max() < 1e-4
     assert json.loads((out / FOUR_BIT_BASE_FILE).read_text())["quantization_config"]["load_in_4bit"]
+    repository = hub.repos["alice/qlora"]
+    pushed = {commit["summary"]: repository.commits[commit["sha"]] for commit in repository.history}
+    assert {"Training in progress, step 2", "Training in progress, step 4"} <= pushed.keys()
+    for files in pushed.values():
+        assert files[FOUR_BIT_BASE_FILE] == (out / FOUR_BIT_BASE_FILE).read_bytes()
     assert (float_base - trained).abs().max() > 1e-2
 
 

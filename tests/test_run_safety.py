@@ -268,3 +268,43 @@ def test_an_fp16_step_the_loss_scaler_skips_neither_stops_the_run_nor_moves_the_
     logs = log_history(out)
     assert "grad_norm" not in logs[0] and all(math.isfinite(row["grad_norm"]) for row in logs[1:])
     assert [row["learning_rate"] for row in logs] == pytest.approx([3e-3, 2e-3, 1e-3])
+
+
+def test_an_fp16_step_under_accelerate_s_fsdp_is_clipped_by_its_unscaled_gradients(monkeypatch):
+    """Accelerate's FSDP2 with fp16 clips through the sharded clip, which must measure and clip the gradients the
+    loss scaler has unscaled, as Accelerate's own clip does: on the scaled ones (2^10 times larger here) the norm
+    is that much too large and every step clipped to almost nothing. One CPU process, the sharded path taken on an
+    unsharded model; the scaler given to Accelerate, which makes one on a GPU only."""
+    from datetime import timedelta
+
+    import accelerate
+    from accelerate.state import AcceleratorState
+
+    from finetune.runtimes.accelerate import AccelerateRuntime
+
+    init = accelerate.Accelerator.__init__
+
+    def with_scaler(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        self.native_amp = True
+
+    monkeypatch.setattr(accelerate.Accelerator, "__init__", with_scaler)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        runtime = AccelerateRuntime(mixed_precision="fp16", gradient_accumulation_steps=1, seed=0,
+                                    ddp_timeout=timedelta(minutes=1), project_dir=".", tracking=None)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        model, optimizer = runtime.accelerator.prepare(model, optimizer)
+        inputs = torch.arange(8.0).reshape(2, 4) / 8
+        runtime.backward(model(inputs).square().sum())
+        expected = torch.nn.utils.get_total_norm([p.grad / 2.0 ** 10 for p in model.parameters()])
+        monkeypatch.setattr(AccelerateRuntime, "shards", True)
+        norm = runtime.clip_grad_norm_(model, 1.0)
+        clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert 1.0 < expected < 100.0, expected  # (finite: nothing overflowed in fp16 under the scale)
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(clipped, torch.tensor(1.0), rtol=1e-5, atol=0)

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError
@@ -51,8 +52,10 @@ class HubPusher:
     """
 
     def __init__(self, *, enabled: bool, output_dir: str, repo_id: str | None, token: str | None, private: bool,
-                 revision: str | None, strategy: str, timeout: int):
+                 revision: str | None, strategy: str, timeout: int,
+                 save_beside_adapter: Callable[[Any, Path], list[str]] = lambda model, folder: []):
         self.enabled = enabled
+        self.save_beside_adapter = save_beside_adapter
         self.strategy = strategy
         self.timeout = timeout
         self.revision = revision
@@ -98,8 +101,9 @@ class HubPusher:
         """Queue the model at ``folder`` (``every_save``), plus the full state (``checkpoint``).
 
         ``model`` (unwrapped, as it is at this checkpoint) gives its config, or with LoRA its adapter as peft saves
-        it, and ``tokenizer`` is saved beside them, so each pushed step loads with ``from_pretrained``. The push
-        replaces whatever else the repository holds: its top level is always one model that loads.
+        it with what ``save_beside_adapter`` writes (a 4-bit base's quantization), and ``tokenizer`` is saved
+        beside them, so each pushed step loads with ``from_pretrained`` and merges as the run's own folder does.
+        The push replaces whatever else the repository holds: its top level is always one model that loads.
         """
         if not self.enabled or self.strategy == "end":
             return
@@ -136,7 +140,8 @@ class HubPusher:
         if whole_model:
             (model if adapter else model.config).save_pretrained(stage)
             tokenizer.save_pretrained(stage)
-            files = [(name, str(stage / name)) for name in _files(stage) if _matches(name, loadable)]
+            beside = self.save_beside_adapter(model, stage) if adapter else []
+            files = [(name, str(stage / name)) for name in _files(stage) if _matches(name, loadable) or name in beside]
         if self.strategy == "checkpoint":  # the checkpoint as its manifest lists it, without the loading files
             files += [(f"{LAST_CHECKPOINT}/{name}", str(stage / name)) for name in checkpoint_files]
         self._submit(files, message, stage)

@@ -120,6 +120,20 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: str, tas
     return model
 
 
+def save_base_quantization(model, output_dir: str | os.PathLike) -> list[str]:
+    """Beside the adapter of ``model``, where its base is held in 4 bits, the base's quantization
+    (``FOUR_BIT_BASE_FILE``, which what merges the adapter later needs); returns the names of the files written."""
+    if not is_four_bit(model):
+        return []
+    # the dtype its weights were quantized from (--dtype) changes their 4-bit codes
+    weight = next(parameter for parameter in model.parameters() if hasattr(parameter, "quant_state"))
+    quantization = {"dtype": str(weight.quant_state.dtype).removeprefix("torch."),
+                    "quantization_config": model.get_base_model().config.quantization_config.to_dict()}
+    with open(os.path.join(output_dir, FOUR_BIT_BASE_FILE), "w") as f:
+        f.write(json.dumps(quantization, indent=2) + "\n")
+    return [FOUR_BIT_BASE_FILE]
+
+
 def save_adapter(model, state_dict: dict, tokenizer, output_dir: str, merge: bool) -> None:
     """Write the adapter (``adapter_config.json``, ``adapter_model.safetensors``; over a 4-bit base, its
     quantization too: ``FOUR_BIT_BASE_FILE``) and the tokenizer with its chat template; with ``merge``, also
@@ -127,12 +141,7 @@ def save_adapter(model, state_dict: dict, tokenizer, output_dir: str, merge: boo
     where the base was held in 4 bits)."""
     had_card = os.path.exists(os.path.join(output_dir, "README.md"))
     model.save_pretrained(output_dir, state_dict=state_dict)  # peft keeps only the adapter's weights
-    if is_four_bit(model):  # the dtype its weights were quantized from (--dtype) changes their 4-bit codes
-        weight = next(parameter for parameter in model.parameters() if hasattr(parameter, "quant_state"))
-        quantization = {"dtype": str(weight.quant_state.dtype).removeprefix("torch."),
-                        "quantization_config": model.get_base_model().config.quantization_config.to_dict()}
-        with open(os.path.join(output_dir, FOUR_BIT_BASE_FILE), "w") as f:
-            f.write(json.dumps(quantization, indent=2) + "\n")
+    save_base_quantization(model, output_dir)
     if not had_card:  # peft writes a placeholder card; the loop writes the real one when pushing
         os.remove(os.path.join(output_dir, "README.md"))
     tokenizer.save_pretrained(output_dir)

@@ -154,18 +154,22 @@ class _TiledMLP(torch.autograd.Function):
 
 
 def random_state(device: torch.device) -> tuple:
-    """The random state that draws on ``device`` (dropout's masks), for ``replaying``."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    """The random state that draws on ``device`` (dropout's masks), for ``replaying``: the CPU's, and an
+    accelerator's own (CUDA, MPS, XPU, ...) where ``device`` is one."""
+    accelerator = None if device.type == "cpu" else torch.get_device_module(device.type).get_rng_state(device)
+    return torch.get_rng_state(), accelerator
 
 
 @contextlib.contextmanager
 def replaying(state: tuple, device: torch.device) -> Iterator[None]:
     """Draws on ``device`` inside the block start from ``state`` (``random_state``), so that a backward pass draws
     what its forward drew; the random state outside the block is left as it was."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    on_accelerator = device.type != "cpu"
+    with torch.random.fork_rng(devices=[device] if on_accelerator else [],
+                               device_type=device.type if on_accelerator else None):
         torch.set_rng_state(state[0])
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(state[1], device)
+        if on_accelerator:
+            torch.get_device_module(device.type).set_rng_state(state[1], device)
         yield
 
 

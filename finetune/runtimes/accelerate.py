@@ -154,6 +154,7 @@ class AccelerateRuntime(Runtime):
 
     def clip_grad_norm_(self, model, max_norm):
         if self.shards:  # the norm as a plain tensor, as the loop reads it (Accelerate's is a DTensor)
+            self.accelerator.unscale_gradients()  # (fp16: Accelerate's own clip unscales first too)
             return clip_grad_norm_(model, max_norm)
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
         # DeepSpeed's engine clips in its own step and gives the norm as a number, or None where it has none
