@@ -446,8 +446,9 @@ def tiled_step(model, checkpointed: bool, tiled: bool) -> tuple[int, torch.Tenso
 @pytest.mark.parametrize("lora_dropout", [None, 0.0, 0.1], ids=["full", "lora", "lora-with-dropout"])
 def test_tiled_mlps_keep_their_input_alone_and_train_as_the_whole_mlp(lora_dropout, checkpointed, monkeypatch):
     """Against the same tiles run with every activation kept (the dropout's masks drawn tile by tile alike, which
-    the backward pass must draw again), and without dropout against the MLP run whole: the same loss, gradients
-    within 1e-6, and none of the MLP's intermediate activations kept."""
+    the backward pass must draw again), and without dropout against the MLP and the norm before it run whole: the
+    same loss, gradients within 1e-6 (of the largest, against the whole: the norm's sums over positions now add
+    tile by tile), and none of the MLP's intermediate activations kept, nor the norm's output."""
     model = tiny_causal_lm().train() if lora_dropout is None else adapted(lora_dropout)
     kept, loss, gradients = tiled_step(model, checkpointed, tiled=True)
 
@@ -458,16 +459,54 @@ def test_tiled_mlps_keep_their_input_alone_and_train_as_the_whole_mlp(lora_dropo
     with monkeypatch.context() as patched:
         patched.setattr(memory_module._TiledMLP, "apply", kept_tiles)
         kept_by_tiles, loss_by_tiles, gradients_by_tiles = tiled_step(model, checkpointed, tiled=True)
-    references = [(loss_by_tiles, gradients_by_tiles)]
+    references = [(loss_by_tiles, gradients_by_tiles, 0.0)]
     if not lora_dropout:
-        references.append(tiled_step(model, checkpointed, tiled=False)[1:])
-    for reference_loss, reference_gradients in references:
+        references.append((*tiled_step(model, checkpointed, tiled=False)[1:], 1e-6))
+    for reference_loss, reference_gradients, of_largest in references:
         torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=0)
         assert gradients.keys() == reference_gradients.keys() and len(gradients) > 0
         for name, gradient in gradients.items():
-            torch.testing.assert_close(gradient, reference_gradients[name], rtol=1e-6, atol=1e-9, msg=name)
-    if not checkpointed:  # each layer's gate, up, their product and the activation: 60 positions x 64 x 4 bytes
-        assert kept <= kept_by_tiles - 2 * 4 * 60 * 64 * 4, (kept, kept_by_tiles)
+            reference = reference_gradients[name]
+            torch.testing.assert_close(gradient, reference, rtol=1e-6, atol=1e-9 + of_largest * reference.abs().max(),
+                                       msg=name)
+    if not checkpointed:
+        # each layer's gate, up, their product and the activation (60 positions x 64 x 4 bytes), and its
+        # post-attention norm's output (60 x 32 x 4 bytes)
+        assert kept <= kept_by_tiles - 2 * (4 * 60 * 64 * 4 + 60 * 32 * 4), (kept, kept_by_tiles)
+
+
+@pytest.mark.parametrize(("family", "folded"), [("qwen3", "post_attention_layernorm"),
+                                                ("gemma2", "pre_feedforward_layernorm"), ("olmo2", None)])
+def test_only_a_norm_whose_output_the_mlp_alone_reads_runs_inside_the_tiles(family, folded, tmp_path):
+    """Gemma 2's post-attention norm normalizes the attention's output before the residual sum, and OLMo 2's MLP
+    reads the sum itself: tiled, each model computes what it computes whole (the same loss, gradients within 1e-6
+    of the largest), with the norm that feeds its MLP alone, where there is one, run a tile at a time."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(family, vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    # loaded as a recipe loads it: transformers then sets a hub-kernel layer's forward (an RMSNorm's) back, or to a
+    # kernel, at each switch between training and evaluation
+    model, tiled = (AutoModelForCausalLM.from_pretrained(tmp_path).train() for _ in range(2))
+    tile_mlps(tiled)
+    tiled.eval().train()
+    layer = tiled.model.layers[0]
+    assert [name for name, module in layer.named_children()
+            if module is not layer.mlp and any(module is part for part in layer.mlp.tiled_modules)] == [
+        *([folded] if folded else [])]
+    ids = torch.randint(1, 100, (1, 70), generator=torch.Generator().manual_seed(0))  # 3 tiles of 32
+    losses, gradients = [], []
+    for each in (model, tiled):
+        loss = each(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        gradients.append({name: parameter.grad for name, parameter in each.named_parameters()})
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    for name, reference in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], reference, rtol=1e-6, atol=1e-6 * reference.abs().max(),
+                                   msg=name)
 
 
 def test_a_tiled_mlp_s_backward_is_counted_one_tile_at_a_time():

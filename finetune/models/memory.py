@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import math
+import re
 from collections.abc import Iterator
 
 import torch
@@ -62,9 +64,11 @@ def tile_mlps(model: torch.nn.Module) -> None:
     Sequence Training's tiled MLP). The MLP's intermediate activations, its widest, are then a tile's at most: on
     long rows the largest share of what a recomputed layer holds, for a third forward of the MLP.
 
-    A tile is as many positions as the model's hidden size (so a tile's intermediate activations are four tensors
-    each the size of one of the MLP's weights); a micro-batch with no more positions runs the MLP whole. The same
-    function of each position, so the same outputs; gradients summed tile by tile (float32: within 1e-6).
+    The norm whose output the MLP alone reads (Llama's post-attention norm) runs inside the tiles too, so its
+    output is never whole either. A tile is as many positions as the model's hidden size (so a tile's intermediate
+    activations are four tensors each the size of one of the MLP's weights); a micro-batch with no more positions
+    runs the MLP whole. The same function of each position, so the same outputs; gradients summed tile by tile
+    (float32: within 1e-6).
 
     Raises:
         UserError: the model's layers (those transformers can wrap) hold no ``mlp``, or route tokens to experts.
@@ -73,9 +77,10 @@ def tile_mlps(model: torch.nn.Module) -> None:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config.get_text_config()
-    mlps = [layer.mlp for layer in base.modules()
-            if isinstance(layer, GradientCheckpointingLayer) and isinstance(getattr(layer, "mlp", None),
-                                                                            torch.nn.Module)]
+    layers = [layer for layer in base.modules()
+              if isinstance(layer, GradientCheckpointingLayer) and isinstance(getattr(layer, "mlp", None),
+                                                                              torch.nn.Module)]
+    mlps = [layer.mlp for layer in layers]
     # a router's logits feed an auxiliary loss, which a tile run without gradients would cut off
     experts = any(getattr(config, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts",
                                                            "moe_num_experts")) or any(
@@ -84,10 +89,47 @@ def tile_mlps(model: torch.nn.Module) -> None:
         raise UserError(f"--tiled_mlp: {type(base).__name__}'s layers have "
                         f"{'experts routed per token' if experts else 'no MLP transformers can reach (an mlp module)'};"
                         " leave the flag off")
-    for mlp in mlps:
-        if not hasattr(mlp, "untiled_forward"):
-            mlp.untiled_forward, mlp.tile = mlp.forward, config.hidden_size
-            mlp.forward = functools.partial(_tiled_forward, mlp)
+    for layer in layers:
+        mlp = layer.mlp
+        if hasattr(mlp, "untiled_forward"):
+            continue
+        mlp.untiled_forward, mlp.tile, mlp.tiled_modules = mlp.forward, config.hidden_size, (mlp,)
+        norm = _norm_before(layer)
+        if norm is not None:  # its output, a micro-batch long, is then never whole either
+            norm_forward = functools.partial(type(norm).forward, norm)
+            mlp.untiled_forward = functools.partial(_normed_forward, norm_forward, mlp.forward)
+            mlp.tiled_modules, norm.__class__ = (norm, mlp), _passing_through(type(norm))
+        mlp.forward = functools.partial(_tiled_forward, mlp)
+
+
+def _norm_before(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """The norm whose output feeds the layer's MLP and nothing else, where its forward says so: the statement that
+    runs it followed by the one that runs the MLP on its output (Llama, Qwen, Mistral, Phi-3: post_attention_layernorm;
+    Gemma 2 and 3: pre_feedforward_layernorm; OLMo 2 normalizes the MLP's output instead: none)."""
+    try:
+        source = inspect.getsource(type(layer).forward)
+    except (OSError, TypeError):
+        return None
+    found = re.search(r"\n(\s*)hidden_states = self\.(\w+)\(hidden_states\)\n"
+                      r"\1hidden_states = self\.mlp\(hidden_states\)\n", source)
+    if found is None or source.count(f"self.{found[2]}(") != 1:
+        return None
+    norm = getattr(layer, found[2], None)
+    return norm if isinstance(norm, torch.nn.Module) else None
+
+
+def _normed_forward(norm_forward, mlp_forward, x: torch.Tensor) -> torch.Tensor:
+    return mlp_forward(norm_forward(x))
+
+
+@functools.cache
+def _passing_through(norm_class: type) -> type:
+    """``norm_class`` with a forward that returns its input, for a norm that runs inside the MLP's tiles.
+
+    The class, not the instance's ``forward``: transformers sets a hub-kernel layer's (an RMSNorm's) forward back,
+    or to a kernel, whenever the model switches between training and evaluation; this one it leaves alone."""
+    return type(f"{norm_class.__name__}InMLPTiles", (norm_class,),
+                {"forward": lambda self, x: x, "kernel_condition": staticmethod(lambda module: False)})
 
 
 _cut_to = contextvars.ContextVar("cut_to", default=1.0)
@@ -109,7 +151,8 @@ def _tiled_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     positions, tile = x.shape[:-1].numel(), mlp.tile * _cut_to.get()
     if not torch.is_grad_enabled() or positions <= tile:
         return mlp.untiled_forward(x)
-    weights = [parameter for parameter in mlp.parameters() if parameter.requires_grad]
+    weights = [parameter for module in mlp.tiled_modules for parameter in module.parameters()
+               if parameter.requires_grad]
     if not (x.requires_grad or weights):  # (a frozen part of the model)
         return mlp.untiled_forward(x)
     return _TiledMLP.apply(mlp, math.ceil(positions / tile), x, *weights)
