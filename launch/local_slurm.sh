@@ -57,6 +57,9 @@ SelectTypeParameters=CR_Core
 MpiDefault=none
 JobRequeue=1
 ReturnToService=2
+# one node, a job or two: a scheduling pass every second costs nothing, and a job told to start at a time starts
+# then, not at the next pass of the default 60 s
+SchedulerParameters=sched_interval=1
 # finished jobs stay visible to scontrol for an hour (there is no accounting storage for sacct)
 MinJobAge=3600
 StateSaveLocation=$dir/state

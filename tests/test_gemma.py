@@ -68,8 +68,10 @@ def test_gemma_trains_on_two_processes_as_on_one_and_its_replies_stop_at_end_of_
     one, two = tmp_path / "one", tmp_path / launcher
     run_on(recipe, gemma, data[recipe], two, "--per_device_train_batch_size", "1", "--max_train_steps", "2",
            launcher=launcher, processes=2)
-    # The replies and the merged copy are the launched run's to check; they change no training step.
+    # The replies, the merged copy and the evaluation are the launched run's to check; they change no training step.
     training_only = [flag for flag in data[recipe] if flag != "--merge_lora"]
+    validation = training_only.index("--validation_file") + 1
+    training_only[validation] = write_jsonl(tmp_path / "one_row.jsonl", read_jsonl(training_only[validation])[:1])
     run_on(recipe, gemma, training_only, one, "--per_device_train_batch_size", "2", "--max_train_steps", "2",
            "--eval_generate", "0")
     first, second = log_history(one), log_history(two)

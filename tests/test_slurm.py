@@ -181,15 +181,19 @@ def test_a_requeued_job_resumes_by_itself_to_the_same_weights_keeping_its_checkp
 
 def test_the_warning_before_the_time_limit_leaves_a_checkpoint_the_requeued_job_resumes_from(
         slurm, small_data, tiny_bert_without_dropout, tmp_path):
-    """With a 2-minute limit and the warning 90 s before it, Slurm (which checks limits every 30 s) warns 30 to
-    60 s into the job: the script passes the warning on, the step is saved, and the script requeues the job.
-    The second attempt, the last of --max_attempts 2, stops on a warning too and is not requeued."""
+    """The limit brought down to 2 minutes once the job trains, with the warning 90 s before it: Slurm (which
+    checks limits every 30 s) warns at its next check, where the limit is under 2 minutes away; the script passes
+    the warning on, the step is saved, and the script requeues the job. (Submitted with the 2-minute limit, the
+    warning would be due from the first second, and could come before the training could take it.) The second
+    attempt, the last of --max_attempts 2, stops on a warning too and is not requeued."""
     out = tmp_path / "out"
     # Only the stop writes a checkpoint: one every few of a thousand steps would fill the disk.
     flags = classify_flags(small_data, tiny_bert_without_dropout, "--per_device_train_batch_size", "4",
                            "--max_train_steps", "100000", "--output_dir", str(out))
-    job = Job(slurm, tmp_path, ["--cpus-per-task=2", "--time=2", "--signal=B:USR1@90"], flags,
+    job = Job(slurm, tmp_path, ["--cpus-per-task=2", "--time=10", "--signal=B:USR1@90"], flags,
               script_options=("--max_attempts", "2"))
+    job.wait(lambda: "training classify on" in job.output(), "training")
+    job.scontrol("update", f"JobId={job.id}", "TimeLimit=2")
 
     job.start_requeued_now()
     stop = re.search(r"stopped by SIGUSR1 at step (\d+): (\S+) was complete on disk ([\d.]+) s", job.output())
