@@ -99,6 +99,7 @@ def tile_mlps(model: torch.nn.Module) -> None:
             norm_forward = functools.partial(type(norm).forward, norm)
             mlp.untiled_forward = functools.partial(_normed_forward, norm_forward, mlp.forward)
             mlp.tiled_modules, norm.__class__ = (norm, mlp), _passing_through(type(norm))
+            vars(norm).pop("forward", None)  # a hub kernel's, set where the model loaded onto a GPU
         mlp.forward = functools.partial(_tiled_forward, mlp)
 
 
