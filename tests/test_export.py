@@ -245,8 +245,8 @@ def test_an_adapter_merges_into_a_folder_that_generates_what_it_generated_on_its
 def test_what_cannot_be_exported_is_refused_in_one_line_before_anything_loads_or_is_written(chat_model, tmp_path,
                                                                                             capsys, monkeypatch):
     """Not a trained folder, an adapter whose base is gone, a classifier, an architecture or a tokenizer the GGUF
-    writer lacks, an output that exists (kept as it was) or whose folder is not one: one ``error:`` line and exit
-    status 2. A write that fails halfway leaves no file."""
+    writer lacks, an output that exists, or the Modelfile beside it (kept as they were), or whose folder is not
+    one: one ``error:`` line and exit status 2. A write that fails halfway leaves no file."""
     import gguf
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
@@ -263,6 +263,7 @@ def test_what_cannot_be_exported_is_refused_in_one_line_before_anything_loads_or
     GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path / "gpt2")
     (tmp_path / "empty").mkdir()
     (chat_model / "taken.gguf").write_text("mine")
+    (chat_model / "free.Modelfile").write_text("mine")
     wordpiece = AutoTokenizer.from_pretrained(default_model_path())
     tiny_model("llama", len(wordpiece)).save_pretrained(tmp_path / "wordpiece")
     wordpiece.save_pretrained(tmp_path / "wordpiece")
@@ -277,6 +278,8 @@ def test_what_cannot_be_exported_is_refused_in_one_line_before_anything_loads_or
         "gpt2": ([str(tmp_path / "gpt2"), "--to", "gguf"], "the GGUF writer has no gpt2 models"),
         "tokenizer": ([str(tmp_path / "wordpiece"), "--to", "gguf"], "writes BPE tokenizers; this one is WordPiece"),
         "exists": ([str(chat_model), "--to", "gguf", "--out", str(chat_model / "taken.gguf")], "exists"),
+        "its Modelfile exists": ([str(chat_model), "--to", "gguf", "--out", str(chat_model / "free.gguf")],
+                                 f"--out's Modelfile {chat_model / 'free.Modelfile'} exists"),
         "not a folder": ([str(chat_model), "--to", "gguf", "--out", str(chat_model / "config.json" / "x.gguf")],
                          "is not a folder this user can write"),
     }
@@ -284,7 +287,8 @@ def test_what_cannot_be_exported_is_refused_in_one_line_before_anything_loads_or
     monkeypatch.setattr("finetune.export.__main__.load_trained", lambda *args: loaded.append(args))
     for argv, expected in cases.values():
         refused_here(export, argv, capsys, expected)
-    assert loaded == [] and (chat_model / "taken.gguf").read_text() == "mine"
+    assert loaded == [] and [(chat_model / name).read_text() for name in ("taken.gguf", "free.Modelfile")] == [
+        "mine", "mine"]
 
     monkeypatch.undo()
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", lambda *args, **kwargs: 1 / 0)

@@ -608,10 +608,12 @@ def test_the_predicted_activations_are_a_micro_batch_s_of_the_longest_prompt_and
 
 def test_a_reward_function_that_kills_its_worker_is_counted_and_training_goes_on(
         tiny_chat_model_with_distinct_replies, rewards, tmp_path):
+    from finetune.data.embedded.support_chats import make_support_prompts
+
     out = tmp_path / "out"
     run_on("grpo", tiny_chat_model_with_distinct_replies, [], out, *FLAGS, "--reward_funcs", f"{rewards}:distinct",
            f"{rewards}:kills_its_worker_on_billing", "--max_reward_failures", "1", "--max_train_steps", "6",
-           "--per_device_train_batch_size", "8")
+           "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "4")
     history = log_history(out)
     assert [h["step"] for h in history] == list(range(1, 7))
     failures = history[-1]["reward_failures/kills_its_worker_on_billing"]
@@ -619,10 +621,14 @@ def test_a_reward_function_that_kills_its_worker_is_counted_and_training_goes_on
     # Where it scored, it scored 0.5: its failures count in no mean as 0.
     scored = [h["rewards/kills_its_worker_on_billing/mean"] for h in history]
     assert all(value == 0.5 or math.isnan(value) for value in scored) and 0.5 in scored
-    # The evaluation scores its 47 replies in one call, which the dead worker fails whole: each reply failed,
-    # counted, and none has a sum (the other function's score alone is not its reward).
+    # The evaluation scores its 47 replies where they were generated, a batch of 4 at a time: the dead worker
+    # fails the batches that hold a billing ticket whole (each reply failed and counted, none with a sum: the other
+    # function's score alone is not its reward), and only those (before, one call for all 47 failed them all).
+    teams = make_support_prompts()["validation"]["team"]
+    failing = sum(len(batch) for batch in (teams[start:start + 4] for start in range(0, 47, 4)) if "billing" in batch)
     results = read_results(out)
-    assert results["eval_reward_failures/kills_its_worker_on_billing"] == 47 and "eval_reward" not in results
+    assert 0 < failing < 47 and results["eval_reward_failures/kills_its_worker_on_billing"] == failing
+    assert "eval_reward" in results
     assert results["eval_reward_failures/distinct"] == 0 and results["eval_rewards/distinct/mean"] > 0
 
 

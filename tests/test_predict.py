@@ -183,6 +183,31 @@ def test_what_cannot_be_predicted_is_refused_in_one_line(chat_run, tmp_path, cap
     assert json.loads(chats.read_text().splitlines()[0])["messages"] == CHATS[0]
 
 
+def test_a_row_without_what_its_model_reads_is_refused_by_its_number_before_any_weights_load(tmp_path):
+    """An empty cell, a tagger's words given as one string, a chat row with neither messages nor a prompt: one
+    line naming the row (before, the empty cell reached the tokenizer, and a string of words was tagged a letter at
+    a time); a file that mixes messages rows and prompt rows predicts each by what it has."""
+    from datasets import Dataset
+
+    from finetune.errors import UserError
+    from finetune.predict.predictors import Plan, prompt_of
+
+    cases = [("classify", ("text", "pair"), [{"text": "a", "pair": "b"}, {"text": "c", "pair": None}],
+              "--input row 2: 'pair' is 'None', not a text; fill it in, or drop the row"),
+             ("tag", ("tokens",), [{"tokens": "Ada in Paris"}],  # (a csv file's column)
+              "--input row 1: 'tokens' is 'Ada in Paris', not a list of words"),
+             ("chat", ("messages", "prompt"), [{"messages": CHATS[0], "prompt": None},
+                                               {"messages": None, "prompt": None}],
+              "--input row 2 has neither messages nor a prompt")]
+    for kind, columns, rows, expected in cases:
+        with pytest.raises(UserError, match=expected):
+            Plan(tmp_path, kind, columns).rows(Dataset.from_list(rows))
+    mixed = Plan(tmp_path, "chat", ("messages", "prompt")).rows(
+        Dataset.from_list([{"messages": CHATS[0], "prompt": None}, {"messages": None, "prompt": "Where is it?"}]))
+    assert prompt_of(mixed[1]) == [{"role": "user", "content": "Where is it?"}]
+    assert prompt_of(mixed[0])[0] == CHATS[0][0]
+
+
 TOOLS = [{"type": "function", "function": {"name": "lookup_order", "description": "An order's status.",
                                            "parameters": {"type": "object", "properties": {"id": {"type": "string"}},
                                                           "required": ["id"]}}}]

@@ -148,19 +148,23 @@ def pad_second_dim(tensor: torch.Tensor, length: int, pad_index: int) -> torch.T
 
 
 def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    """Largest ``tensor`` over all processes (a new tensor)."""
-    largest = tensor.clone()
-    if dist.is_initialized():
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    return largest
+    """Largest ``tensor`` over all processes (a new tensor on its device)."""
+    return _all_reduced(tensor, dist.ReduceOp.MAX)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum of ``tensor`` over all processes (a new tensor; the input is left as it was)."""
-    total = tensor.clone()
+    """Sum of ``tensor`` over all processes (a new tensor on its device; the input is left as it was)."""
+    return _all_reduced(tensor, dist.ReduceOp.SUM)
+
+
+def _all_reduced(tensor: torch.Tensor, op) -> torch.Tensor:
+    # NCCL reduces GPU tensors only: a CPU tensor (a tally kept on the host) is reduced on this process's GPU there
+    reduced = tensor.clone()
     if dist.is_initialized():
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total
+        if dist.get_backend() == "nccl" and tensor.device.type == "cpu":
+            reduced = reduced.to(torch.cuda.current_device())
+        dist.all_reduce(reduced, op=op)
+    return reduced.to(tensor.device)
 
 
 def save_unwrapped(model: torch.nn.Module, output_dir: str, info: DistributedInfo, tokenizer=None) -> None:

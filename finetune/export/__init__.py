@@ -2,5 +2,5 @@
 ``ollama`` (the ``Modelfile`` beside it) and ``merged`` (a plain Hugging Face folder for vLLM and TGI), on the
 folder read back as one model by ``models.trained``; ``python -m finetune.export`` is the command.
 
-May import: models and the core.
+May import: models, checkpointing and the core.
 """

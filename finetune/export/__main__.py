@@ -15,7 +15,7 @@ from finetune.checkpointing.files import check_new_output
 from finetune.errors import run_main
 from finetune.export.gguf_file import QUANTS, architecture_of, vocabulary, write_gguf
 from finetune.export.merged import write_merged
-from finetune.export.ollama import write_modelfile
+from finetune.export.ollama import modelfile_path, write_modelfile
 from finetune.models.loading import from_pretrained
 from finetune.models.trained import load_trained, trained_config
 
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                        else folder / "merged")
     check_new_output(out, "--out")
     if args.to == "gguf":
+        check_new_output(modelfile_path(out), "--out's Modelfile")
         vocabulary(from_pretrained(AutoTokenizer, str(folder)), config, folder)
     trained = load_trained(folder, args.base_model)
     if args.to == "gguf":

@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["go_template", "write_modelfile"]
+from finetune.checkpointing.files import replacing
+
+__all__ = ["go_template", "modelfile_path", "write_modelfile"]
 
 MARK = "FINETUNE_USER_TURN"
 ANY_SYSTEM = ('{{- $system := "" }}{{- range .Messages }}{{- if eq .Role "system" }}{{- $system = .Content }}'
@@ -53,6 +55,12 @@ def write_modelfile(trained, gguf_path: Path) -> Path:
     if template:
         lines.append(f'TEMPLATE """{template}"""')
     lines += [f"PARAMETER stop {json.dumps(stop)}" for stop in stops]
-    modelfile = gguf_path.with_suffix(".Modelfile")  # one per file: an f16 and a q8_0 can share a folder
-    modelfile.write_text("\n".join(lines) + "\n")
+    modelfile = modelfile_path(gguf_path)
+    with replacing(modelfile) as partial:
+        partial.write_text("\n".join(lines) + "\n")
     return modelfile
+
+
+def modelfile_path(gguf_path: Path) -> Path:
+    """The Modelfile of ``gguf_path``: one per file, so that an f16 and a q8_0 can share a folder."""
+    return gguf_path.with_suffix(".Modelfile")

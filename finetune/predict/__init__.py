@@ -2,5 +2,5 @@
 labels, tags, replies; ``sharing``: the rows split across processes and gathered back in order), and ``generation``
 holds the replies a chat model gives, for it and for ``python -m finetune.chat``.
 
-May import: models, tasks, data and the core.
+May import: models, tasks, data, distributed, checkpointing and the core.
 """

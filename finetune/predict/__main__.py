@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from finetune.checkpointing.files import check_new_output, replacing
+from finetune.distributed.ddp import init_distributed
 from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError, run_main
 from finetune.predict.generation import Sampling
@@ -58,8 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     plan = plan_for(args.output_dir, args.text_column, args.text_pair_column, args.base_model)
     datasets.disable_progress_bars()  # the rows' own bar is the one to watch
     rows = plan.rows(read_file(args.input, "--input", {".conll": read_conll, ".txt": read_conll}))
-    if env.world_size > 1:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if env.world_size > 1:  # (each process on its own GPU, where there are GPUs)
+        init_distributed()
     try:
         predictor = load_predictor(plan, args.batch_size, device_for(env))
         torch.manual_seed(args.seed + env.rank)

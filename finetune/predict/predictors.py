@@ -36,9 +36,20 @@ class Plan:
             raise UserError(f"--input has no {wanted} column (columns: {', '.join(data.column_names)}); a "
                             f"{self.kind} model reads {wanted}, as its recipe trains on")
         rows = data.to_list()
-        if self.kind == "chat":
-            for number, row in enumerate(rows, 1):
-                tools_of(row, f"--input row {number}")
+        for number, row in enumerate(rows, 1):
+            where = f"--input row {number}"
+            if self.kind == "chat":
+                if row.get("messages") is None and not isinstance(row.get("prompt"), (str, list)):
+                    raise UserError(f"{where} has neither messages nor a prompt; give it one, or drop the row")
+                tools_of(row, where)
+                continue
+            for column in self.columns:
+                value = row[column]
+                words = self.kind == "tag"
+                if not (isinstance(value, list) and all(isinstance(word, str) for word in value) if words
+                        else isinstance(value, str)):
+                    raise UserError(f"{where}: {column!r} is {str(value)[:60]!r}, not "
+                                    f"{'a list of words' if words else 'a text'}; fill it in, or drop the row")
         return rows
 
 
@@ -126,7 +137,7 @@ def prompt_of(row: dict) -> list[dict]:
     with another), or a ``prompt`` (a string is one user turn)."""
     from finetune.tasks.chat import without_nulls
 
-    if "messages" in row:
+    if row.get("messages") is not None:  # (a file mixing both kinds of rows gives each both columns)
         messages = [without_nulls(message) for message in row["messages"]]  # Arrow gives each every key
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         return messages[:last] if last is not None and last == len(messages) - 1 else messages

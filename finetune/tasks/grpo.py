@@ -83,8 +83,8 @@ class GRPOArguments(ChatModelArguments):
     beta: float = arg(0.0, "Weight of the KL term against the reference (the model with its adapters off); 0: "
                            "none, and no reference pass.")
     mask_truncated_completions: bool = arg(False, "Leave completions cut at max_completion_length out of the loss.")
-    lora_dropout: float = arg(0.0, "Dropout on the LoRA input: off by default, as TRL turns dropout off, so that a "
-                                   "rollout's first pass trains at the log-probabilities it was sampled with.")
+    lora_dropout: float = arg(0.0, "Dropout on the LoRA input: off by default (TRL's GRPOConfig leaves it on), so "
+                                   "that a rollout's first pass trains at the log-probabilities it was sampled with.")
     tools: list[str] = arg([], "Tools the model may call, each module:function (a module name or a .py file): "
                                "functions with type hints and a docstring, run in worker processes. A reply's calls "
                                "run and their results come back as tool messages: episodes of several turns.")

@@ -25,7 +25,7 @@ from finetune.distributed.ddp import all_reduce_max, all_reduce_sum
 from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
 from finetune.task import CountedBatch
-from finetune.tasks.causal_lm import cache_keyword, forward_takes, plain_cache, reply_log_probs
+from finetune.tasks.causal_lm import cache_keyword, decode_replies, forward_takes, plain_cache, reply_log_probs
 from finetune.tasks.episodes import Episode, Episodes, score_episodes, tool_figures, tool_table
 from finetune.tasks.grpo import (
     Advantages,
@@ -36,7 +36,7 @@ from finetune.tasks.grpo import (
     policy_loss,
 )
 from finetune.tasks.rewards import RewardFailures, RewardPool
-from finetune.tasks.scoring import RewardJudge, eval_rewards, failed_table, reward_names, score_replies
+from finetune.tasks.scoring import RewardJudge, failed_table, reward_figures, reward_names, score_replies
 
 __all__ = ["EvalReplyRewards", "KeptCache", "RolloutSampler", "Rollouts", "greedy_sampling", "sample_completions"]
 
@@ -536,19 +536,30 @@ class Rollouts:
 
 class EvalReplyRewards:
     """The evaluation without tools (``finetune.tasks.episodes.EvalEpisodes``' twin): the greedy replies of
-    ``replies`` (``finetune.tasks.causal_lm.EvalReplies``) scored by the reward functions of ``rewards``, and by the
-    data's own check where it has one."""
+    ``replies`` (``finetune.tasks.causal_lm.EvalReplies``) scored by the reward functions of ``rewards`` where they
+    were generated, a batch at a time (each call under ``--reward_timeout``, as in training), and by the data's own
+    check where it has one."""
 
     def __init__(self, replies, rewards: RewardPool, weights: np.ndarray):
         self.replies, self.rewards, self.weights = replies, rewards, weights
 
-    def outputs(self, model, index: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.replies.generate(model, index),)
+    def outputs(self, model, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        replies = self.replies.generate(model, index)
+        values = np.full((len(index), len(self.rewards.names)), np.nan)
+        failed = np.zeros_like(values)
+        replied = [row for row, i in enumerate(index.tolist()) if i < len(self.replies.prompts)]  # (--eval_generate)
+        if replied:
+            scores = score_replies(self.rewards, self.replies.prompted.select(index[replied].tolist()),
+                                   decode_replies(replies[replied], len(replied), self.replies.tokenizer))
+            values[replied], failed[replied] = scores.values, failed_table(scores, self.rewards)
+        return replies, torch.from_numpy(values).to(index.device), torch.from_numpy(failed).to(index.device)
 
-    def metrics(self, outputs: tuple[torch.Tensor]) -> dict[str, float]:
-        texts = self.replies.texts(outputs[0])
-        return {**eval_rewards(self.rewards, self.replies.prompted, texts, self.weights),
-                **self.replies.metrics(outputs[0])}
+    def metrics(self, outputs: tuple[torch.Tensor, ...]) -> dict[str, float]:
+        replies, values, failed = outputs
+        count = len(self.replies.prompts)
+        return {**reward_figures(values[:count].cpu().numpy(), failed[:count].cpu().numpy(),
+                                 reward_names(self.rewards.names), self.weights),
+                **self.replies.metrics(replies)}
 
     def write(self, tokens: torch.Tensor, output_dir: str) -> None:
         self.replies.write(tokens, output_dir)

@@ -16,7 +16,7 @@ import torch
 from finetune.errors import UserError
 from finetune.tasks.rewards import RewardFailures, RewardPool, RewardScores, check_reward_signature
 
-__all__ = ["FAILURE_WINDOW", "MIN_JUDGED", "UNSCORED_ROLLOUTS", "RewardJudge", "check_rewards_on", "eval_rewards",
+__all__ = ["FAILURE_WINDOW", "MIN_JUDGED", "UNSCORED_ROLLOUTS", "RewardJudge", "check_rewards_on",
            "failed_table", "reward_figures", "reward_names", "score_replies"]
 
 FAILURE_WINDOW = 256
@@ -73,17 +73,11 @@ def failed_table(scores: RewardScores, pool: RewardPool) -> np.ndarray:
     return failed
 
 
-def eval_rewards(pool: RewardPool, rows: datasets.Dataset, texts: list[str], weights: np.ndarray) -> dict[str, float]:
-    """``reward`` (the weighted sum) and ``rewards/NAME/mean`` of the replies ``texts`` to ``rows``, each over the
-    replies its functions scored, and ``reward_failures/NAME``, the replies each function failed on: a reply any
-    function failed on has no sum (as in training), and a failure counts in no mean, as 0 would."""
-    scores = score_replies(pool, rows, texts)
-    return reward_figures(scores.values, failed_table(scores, pool), reward_names(pool.names), weights)
-
-
 def reward_figures(values: np.ndarray, failed: np.ndarray, names: list[str], weights: np.ndarray) -> dict[str, float]:
-    """``eval_rewards``' figures from the rewards ``values`` and ``failed`` (each ``[replies, functions]``) of
-    functions ``names``."""
+    """An evaluation's ``reward`` (the weighted sum) and ``rewards/NAME/mean`` of the replies, each over the replies
+    its functions scored, and ``reward_failures/NAME``, the replies each function failed on: a reply any function
+    failed on has no sum (as in training), and a failure counts in no mean, as 0 would. From the rewards ``values``
+    and ``failed`` (each ``[replies, functions]``) of functions ``names``."""
     totals = np.where(np.isnan(values).all(1) | failed.any(1), np.nan, (np.nan_to_num(values) * weights).sum(1))
     figures = {"reward": totals, **{f"rewards/{name}/mean": values[:, k] for k, name in enumerate(names)}}
     means = {name: float(np.nanmean(v)) for name, v in figures.items() if not np.isnan(v).all()}
