@@ -280,6 +280,8 @@ def test_what_cannot_be_exported_is_refused_in_one_line_before_anything_loads_or
         "exists": ([str(chat_model), "--to", "gguf", "--out", str(chat_model / "taken.gguf")], "exists"),
         "its Modelfile exists": ([str(chat_model), "--to", "gguf", "--out", str(chat_model / "free.gguf")],
                                  f"--out's Modelfile {chat_model / 'free.Modelfile'} exists"),
+        "not .gguf": ([str(chat_model), "--to", "gguf", "--out", str(chat_model / "free.Modelfile")],
+                      "a GGUF file's name ends in .gguf"),
         "not a folder": ([str(chat_model), "--to", "gguf", "--out", str(chat_model / "config.json" / "x.gguf")],
                          "is not a folder this user can write"),
     }

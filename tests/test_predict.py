@@ -193,12 +193,16 @@ def test_a_row_without_what_its_model_reads_is_refused_by_its_number_before_any_
     from finetune.predict.predictors import Plan, prompt_of
 
     cases = [("classify", ("text", "pair"), [{"text": "a", "pair": "b"}, {"text": "c", "pair": None}],
-              "--input row 2: 'pair' is 'None', not a text; fill it in, or drop the row"),
+              "--input row 2: 'pair' is 'None' \\(NoneType\\), not a text; fill it in, or drop the row"),
              ("tag", ("tokens",), [{"tokens": "Ada in Paris"}],  # (a csv file's column)
-              "--input row 1: 'tokens' is 'Ada in Paris', not a list of words"),
+              "--input row 1: 'tokens' is 'Ada in Paris' \\(str\\), not a list of words"),
              ("chat", ("messages", "prompt"), [{"messages": CHATS[0], "prompt": None},
                                                {"messages": None, "prompt": None}],
-              "--input row 2 has neither messages nor a prompt")]
+              "--input row 2 has neither messages nor a prompt"),
+             ("chat", ("messages",), [{"messages": json.dumps(CHATS[0])}],  # (a csv file's cell)
+              "--input row 1: messages is .*, not a list of messages"),
+             ("chat", ("messages", "prompt"), [{"messages": [], "prompt": "Where is it?"}],
+              "--input row 1: messages is '\\[\\]', not a list of messages")]
     for kind, columns, rows, expected in cases:
         with pytest.raises(UserError, match=expected):
             Plan(tmp_path, kind, columns).rows(Dataset.from_list(rows))

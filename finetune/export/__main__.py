@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from finetune.checkpointing.files import check_new_output
-from finetune.errors import run_main
+from finetune.errors import UserError, run_main
 from finetune.export.gguf_file import QUANTS, architecture_of, vocabulary, write_gguf
 from finetune.export.merged import write_merged
 from finetune.export.ollama import modelfile_path, write_modelfile
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         architecture_of(config)
     out = args.out or (folder / f"{folder.resolve().name}-{args.quant}.gguf" if args.to == "gguf"
                        else folder / "merged")
+    if args.to == "gguf" and out.suffix != ".gguf":  # (NAME.Modelfile would be its own Modelfile)
+        raise UserError(f"--out {out}: a GGUF file's name ends in .gguf")
     check_new_output(out, "--out")
     if args.to == "gguf":
         check_new_output(modelfile_path(out), "--out's Modelfile")

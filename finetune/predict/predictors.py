@@ -39,7 +39,11 @@ class Plan:
         for number, row in enumerate(rows, 1):
             where = f"--input row {number}"
             if self.kind == "chat":
-                if row.get("messages") is None and not isinstance(row.get("prompt"), (str, list)):
+                messages, prompt = row.get("messages"), row.get("prompt")
+                if messages is not None and not _conversation(messages):
+                    raise UserError(f"{where}: messages is {str(messages)[:60]!r}, not a list of messages (each a "
+                                    "role and its content); give a JSON lines file, or drop the row")
+                if messages is None and not (isinstance(prompt, str) or _conversation(prompt)):
                     raise UserError(f"{where} has neither messages nor a prompt; give it one, or drop the row")
                 tools_of(row, where)
                 continue
@@ -48,9 +52,13 @@ class Plan:
                 words = self.kind == "tag"
                 if not (isinstance(value, list) and all(isinstance(word, str) for word in value) if words
                         else isinstance(value, str)):
-                    raise UserError(f"{where}: {column!r} is {str(value)[:60]!r}, not "
+                    raise UserError(f"{where}: {column!r} is {str(value)[:60]!r} ({type(value).__name__}), not "
                                     f"{'a list of words' if words else 'a text'}; fill it in, or drop the row")
         return rows
+
+
+def _conversation(messages) -> bool:
+    return isinstance(messages, list) and bool(messages) and all(isinstance(m, dict) for m in messages)
 
 
 @dataclass
