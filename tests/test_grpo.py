@@ -683,6 +683,26 @@ def test_bad_input_is_refused_in_one_line_before_training(flags, expected, tiny_
     assert not out.exists()
 
 
+def test_a_column_json_cannot_carry_to_the_reward_functions_is_refused_by_row_and_name(tiny_chat_model, rewards,
+                                                                                       tmp_path):
+    """A parquet file's timestamp column: refused in one line before training (a bare TypeError before)."""
+    import datetime
+
+    import datasets
+
+    rows = datasets.Dataset.from_dict({"prompt": ["Where is my order?"] * 8,
+                                       "opened": [datetime.datetime(2026, 12, 7, hour) for hour in range(8)]})
+    for split in ("train", "validation"):
+        rows.to_parquet(tmp_path / f"{split}.parquet")
+    out = tmp_path / "out"
+    result = run_on_refused(tiny_chat_model, out, "--train_file", str(tmp_path / "train.parquet"),
+                            "--validation_file", str(tmp_path / "validation.parquet"), "--reward_funcs",
+                            f"{rewards}:distinct")
+    one_error_line(result.returncode, result.stderr, "train row 1: column 'opened' holds a datetime, which cannot "
+                   "reach the reward functions (they get a row's columns as JSON)")
+    assert not out.exists()
+
+
 def test_a_reward_function_that_hangs_at_the_check_is_refused_within_its_timeout(tiny_chat_model, rewards, tmp_path):
     out, start = tmp_path / "out", time.monotonic()
     assert_refused("grpo", [*FLAGS, "--model_name_or_path", str(tiny_chat_model), "--output_dir", str(out),

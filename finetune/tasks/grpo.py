@@ -254,6 +254,25 @@ def policy_loss(log_probs: torch.Tensor, advantages: torch.Tensor, completion_ma
 # -- prompts
 
 
+def _columns_json(values: dict, place: str) -> str:
+    """A row's other columns as the JSON the reward functions get them in.
+
+    Raises:
+        UserError: a column holds a value JSON cannot carry (a date, bytes, an image).
+    """
+    try:
+        return json.dumps(values)
+    except TypeError:
+        for column, value in values.items():
+            try:
+                json.dumps(value)
+            except TypeError:
+                raise UserError(f"{place}: column {column!r} holds a {type(value).__name__}, which cannot reach the "
+                                "reward functions (they get a row's columns as JSON); make it text or numbers, or "
+                                "drop the column") from None
+        raise
+
+
 def tokenize_prompts(split: datasets.Dataset, tokenizer, max_length: int, name: str, tokenizing: Tokenizing,
                      template_options: dict | None = None, tools: list[dict] | None = None) -> datasets.Dataset:
     """A ``prompt`` column (text, or a list of messages before the reply, TRL's format) rendered with the generation
@@ -283,7 +302,8 @@ def tokenize_prompts(split: datasets.Dataset, tokenizer, max_length: int, name: 
             if len(prompt_ids) > max_length:
                 raise UserError(f"{place}: the prompt is {len(prompt_ids)} tokens, over --max_seq_length {max_length}; "
                                 "raise --max_seq_length or shorten the prompt")
-        columns = [json.dumps({column: batch[column][i] for column in others}) for i in range(len(rows))]
+        columns = [_columns_json({column: batch[column][i] for column in others}, place)
+                   for i, place in enumerate(where)]
         return {"prompt_ids": ids, "prompt_messages": [json.dumps(p) for p in batch["prompt"]], "columns": columns,
                 "reference": [""] * len(rows), "index": rows, LENGTH: [len(i) for i in ids],
                 LOSS_UNITS: [1] * len(rows)}
