@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -239,12 +241,11 @@ def test_latest_with_every_checkpoint_damaged_is_not_advised_latest(small_data, 
     assert snapshot(out) == before
 
 
-def test_an_fp16_step_the_loss_scaler_skips_neither_stops_the_run_nor_moves_the_schedule(small_data, tiny_bert,
-                                                                                        tmp_path, monkeypatch):
-    """fp16 under Accelerate with a loss scale so large that the first step's gradients overflow: the scaler skips
-    that update and lowers its scale, and the run goes on (before, the overflowed norm stopped it as non-finite).
-    The skipped step logs no gradient norm and leaves the learning rate where it was, as transformers' Trainer
-    does. Accelerate makes a scaler on a GPU only, so this one is given to it here."""
+@contextlib.contextmanager
+def accelerate_given(scaler: torch.amp.GradScaler) -> Iterator[None]:
+    """Accelerate with ``scaler`` (it makes one on a GPU only), autocasting and unscaling as on a GPU. Accelerate
+    keeps one precision a process, so its state is reset around the block: this process's other runs train in
+    float32."""
     import accelerate
     from accelerate.state import AcceleratorState
 
@@ -252,19 +253,28 @@ def test_an_fp16_step_the_loss_scaler_skips_neither_stops_the_run_nor_moves_the_
 
     def with_scaler(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 100, backoff_factor=2.0 ** -90)
-        self.native_amp = True  # (autocast and unscaling, as on a GPU)
+        self.scaler, self.native_amp = scaler, True
 
-    monkeypatch.setattr(accelerate.Accelerator, "__init__", with_scaler)
-    out = tmp_path / "out"
-    # Accelerate keeps one precision a process: this process's other runs train in float32
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
+        with pytest.MonkeyPatch.context() as patched:
+            patched.setattr(accelerate.Accelerator, "__init__", with_scaler)
+            yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_an_fp16_step_the_loss_scaler_skips_neither_stops_the_run_nor_moves_the_schedule(small_data, tiny_bert,
+                                                                                        tmp_path):
+    """fp16 under Accelerate with a loss scale so large that the first step's gradients overflow: the scaler skips
+    that update and lowers its scale, and the run goes on (before, the overflowed norm stopped it as non-finite).
+    The skipped step logs no gradient norm and leaves the learning rate where it was, as transformers' Trainer
+    does. Accelerate makes a scaler on a GPU only, so this one is given to it here."""
+    out = tmp_path / "out"
+    with accelerate_given(torch.amp.GradScaler("cpu", init_scale=2.0 ** 100, backoff_factor=2.0 ** -90)):
         train_here("classify", *classify_flags(small_data, tiny_bert, "--mixed_precision", "fp16",
                                                "--max_train_steps", "3", "--logging_steps", "1", "--learning_rate",
                                                "3e-3", "--output_dir", str(out)))
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
     logs = log_history(out)
     assert "grad_norm" not in logs[0] and all(math.isfinite(row["grad_norm"]) for row in logs[1:])
     assert [row["learning_rate"] for row in logs] == pytest.approx([3e-3, 2e-3, 1e-3])
@@ -277,21 +287,9 @@ def test_an_fp16_step_under_accelerate_s_fsdp_is_clipped_by_its_unscaled_gradien
     unsharded model; the scaler given to Accelerate, which makes one on a GPU only."""
     from datetime import timedelta
 
-    import accelerate
-    from accelerate.state import AcceleratorState
-
     from finetune.runtimes.accelerate import AccelerateRuntime
 
-    init = accelerate.Accelerator.__init__
-
-    def with_scaler(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-        self.native_amp = True
-
-    monkeypatch.setattr(accelerate.Accelerator, "__init__", with_scaler)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
+    with accelerate_given(torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)):
         runtime = AccelerateRuntime(mixed_precision="fp16", gradient_accumulation_steps=1, seed=0,
                                     ddp_timeout=timedelta(minutes=1), project_dir=".", tracking=None)
         model = torch.nn.Linear(4, 3)
@@ -303,8 +301,6 @@ def test_an_fp16_step_under_accelerate_s_fsdp_is_clipped_by_its_unscaled_gradien
         monkeypatch.setattr(AccelerateRuntime, "shards", True)
         norm = runtime.clip_grad_norm_(model, 1.0)
         clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
     assert 1.0 < expected < 100.0, expected  # (finite: nothing overflowed in fp16 under the scale)
     torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
     torch.testing.assert_close(clipped, torch.tensor(1.0), rtol=1e-5, atol=0)

@@ -19,7 +19,7 @@ from finetune.environment import LaunchEnvironment
 from finetune.errors import UserError, run_main
 from finetune.predict.generation import Sampling
 from finetune.predict.predictors import load_predictor, plan_for
-from finetune.predict.sharing import device_for, predict_shared
+from finetune.predict.sharing import predict_shared
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,10 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     plan = plan_for(args.output_dir, args.text_column, args.text_pair_column, args.base_model)
     datasets.disable_progress_bars()  # the rows' own bar is the one to watch
     rows = plan.rows(read_file(args.input, "--input", {".conll": read_conll, ".txt": read_conll}))
-    if env.world_size > 1:  # (each process on its own GPU, where there are GPUs)
-        init_distributed()
+    device = init_distributed().device  # (a process group where a launcher started several, each on its own GPU)
     try:
-        predictor = load_predictor(plan, args.batch_size, device_for(env))
+        predictor = load_predictor(plan, args.batch_size, device)
         torch.manual_seed(args.seed + env.rank)
         sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p)
         with tqdm(total=len(rows[env.rank::env.world_size]), disable=env.rank != 0, unit="row",

@@ -35,7 +35,7 @@ class Plan:
             wanted = (" or " if self.kind == "chat" else " and ").join(repr(column) for column in self.columns)
             raise UserError(f"--input has no {wanted} column (columns: {', '.join(data.column_names)}); a "
                             f"{self.kind} model reads {wanted}, as its recipe trains on")
-        rows = data.to_list()
+        rows, words = data.to_list(), self.kind == "tag"
         for number, row in enumerate(rows, 1):
             where = f"--input row {number}"
             if self.kind == "chat":
@@ -49,7 +49,6 @@ class Plan:
                 continue
             for column in self.columns:
                 value = row[column]
-                words = self.kind == "tag"
                 if not (isinstance(value, list) and all(isinstance(word, str) for word in value) if words
                         else isinstance(value, str)):
                     raise UserError(f"{where}: {column!r} is {str(value)[:60]!r} ({type(value).__name__}), not "
