@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import (
     HUB_TOKEN,
     assert_refused,
@@ -37,6 +38,7 @@ from finetune.tasks.metrics import correlations, retrieval_metrics
 
 OBJECTIVES = {
     "ranking, a hard negative, symmetric": (Objective("multiple_negatives_ranking", symmetric=True), 3),
+    "ranking, copies of answers, symmetric": (Objective("multiple_negatives_ranking", symmetric=True), 3),
     "ranking": (Objective("multiple_negatives_ranking", scale=7.0), 2),
     "cosent": (Objective("cosent"), 2),
     "triplet": (Objective("triplet", margin=0.5), 3),
@@ -53,13 +55,20 @@ def tiny_float64_bert(dropout: bool):
     return BertModel(config, add_pooling_layer=False).double().train()
 
 
-def random_rows(count: int, texts: int) -> list[dict]:
+def random_rows(count: int, texts: int, copies: bool = False) -> list[dict]:
+    """Rows of random texts; with ``copies``, text ids saying that rows 4 and 7 ask as rows 0 and 1 do (with other
+    answers), rows 2 and 6 share an answer and row 5's hard negative is row 3's answer."""
     generator = torch.Generator().manual_seed(1)
     rows = []
     for row in range(count):
         lengths = torch.randint(2, 9, (texts,), generator=generator).tolist()
         rows.append({**{f"text_{i}": torch.randint(1, 60, (n,), generator=generator).tolist()
                         for i, n in enumerate(lengths)}, "score": (row % 4) / 3 - 0.5})
+        if copies:
+            rows[-1].update({f"text_id_{i}": 100 * row + i for i in range(texts)})
+    if copies:
+        rows[4]["text_id_0"], rows[7]["text_id_0"] = rows[0]["text_id_0"], rows[1]["text_id_0"]
+        rows[6]["text_id_1"], rows[5]["text_id_2"] = rows[2]["text_id_1"], rows[3]["text_id_1"]
     return rows
 
 
@@ -86,10 +95,11 @@ def test_the_global_batch_trains_the_same_loss_and_gradient_however_its_micro_ba
     at a time equals the gradient of the loss taken over all rows at once (float64, to 1e-10)."""
     objective, texts = OBJECTIVES[name]
     pooling = Pooling("mean", normalize=name != "triplet")
-    model, rows = tiny_float64_bert(dropout=False), random_rows(8, texts)
+    model, rows = tiny_float64_bert(dropout=False), random_rows(8, texts, copies="copies" in name)
     batch = collate_texts(0)(rows)
     model.zero_grad()
-    loss = objective(row_embeddings(model, batch, pooling, texts).double(), batch["score"].double())
+    loss = objective(row_embeddings(model, batch, pooling, texts).double(), batch["score"].double(),
+                     batch.get("text_ids"))
     loss.backward()
     expected = [p.grad.clone() for p in model.parameters()]
     assert loss.item() > 0.01
@@ -98,6 +108,35 @@ def test_the_global_batch_trains_the_same_loss_and_gradient_however_its_micro_ba
         assert logged == pytest.approx(loss.item(), rel=1e-12)
         for ours, theirs in zip(gradients, expected, strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+def test_no_copy_of_a_rows_answer_and_no_answer_to_its_question_is_its_negative():
+    """Rows 0 and 1 share their answer, row 2's hard negative is that answer too and row 3 asks what row 0 asks: each
+    anchor's loss is over the batch's answers and negatives less those (and, symmetric, each answer's over the
+    anchors less the rows sharing its anchor or its answer); without the text ids, over all of them."""
+    torch.manual_seed(0)
+    embeddings = torch.randn(4, 3, 8, dtype=torch.float64)
+    text_ids = torch.tensor([[0, 1, 2], [3, 1, 4], [5, 6, 1], [0, 7, 8]])
+    unit = F.normalize(embeddings, dim=-1)
+    candidates = [(row, text) for text in (1, 2) for row in range(4)]
+    left_out = {0: {(1, 1), (2, 2), (3, 1)}, 1: {(0, 1), (2, 2)}, 2: set(), 3: {(0, 1)}}
+    reverse_left_out = {0: {1, 3}, 1: {0}, 2: set(), 3: {0}}
+
+    def loss(scores: list[torch.Tensor], own: int) -> torch.Tensor:
+        return -torch.log_softmax(5.0 * torch.stack(scores), 0)[own]
+
+    forward = [loss([unit[i, 0] @ unit[c] for c in candidates if c not in left_out[i]],
+                    [c for c in candidates if c not in left_out[i]].index((i, 1))) for i in range(4)]
+    reverse = [loss([unit[i, 1] @ unit[j, 0] for j in range(4) if j not in reverse_left_out[i]],
+                    [j for j in range(4) if j not in reverse_left_out[i]].index(i)) for i in range(4)]
+    one_way, both_ways = (Objective("multiple_negatives_ranking", scale=5.0, symmetric=s) for s in (False, True))
+    assert one_way(embeddings, text_ids=text_ids).item() == pytest.approx(torch.stack(forward).mean().item(),
+                                                                         rel=1e-12)
+    expected = (torch.stack(forward).mean() + torch.stack(reverse).mean()).item() / 2
+    assert both_ways(embeddings, text_ids=text_ids).item() == pytest.approx(expected, rel=1e-12)
+    everything = [loss([unit[i, 0] @ unit[c] for c in candidates], i) for i in range(4)]
+    assert one_way(embeddings).item() == pytest.approx(torch.stack(everything).mean().item(), rel=1e-12)
+    assert one_way(embeddings).item() > one_way(embeddings, text_ids=text_ids).item() + 0.05
 
 
 def test_the_pass_with_gradients_draws_the_dropout_masks_of_the_pass_without():
@@ -345,6 +384,16 @@ def test_a_tiny_run_in_this_process(pair_files, tiny_bert, tmp_path):
                         str(tmp_path / "out"), *FLAGS, "--loss", "triplet", "--max_train_steps", "2")
     assert "triplet loss over anchor + positive + negative" in result.stdout
     assert log_history(tmp_path / "out")[0]["loss"] > 0
+
+
+def test_a_batch_of_one_pair_twice_has_no_negative_to_rank_so_its_loss_is_0(pair_files, tiny_bert, tmp_path):
+    """Each row's copy is the same pair, no negative of it (it would be log 2 if it were, both ways)."""
+    row = pairs(1)[0]
+    train = write_jsonl(tmp_path / "twice.jsonl", [row, row])
+    train_here("embed", "--train_file", train, *pair_files[2:], "--model_name_or_path", str(tiny_bert),
+               "--output_dir", str(tmp_path / "out"), *FLAGS, "--per_device_train_batch_size", "2", "--symmetric",
+               "--max_train_steps", "1")
+    assert log_history(tmp_path / "out")[0]["loss"] == 0
 
 
 @pytest.mark.multiprocess

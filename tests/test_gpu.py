@@ -334,8 +334,8 @@ def test_grpo_with_lora_in_bf16_samples_on_the_gpu_and_trains(tmp_path):
     assert (out / "adapter_model.safetensors").is_file()
 
 
-CPU_DEFAULT_MRR = 0.912
-"""The embedding recipe's default run's held-out MRR@10 on the CPU (README, Recipes)."""
+CPU_DEFAULT_MRR = 0.902
+"""The embedding recipe's default run's held-out MRR@10 on the CPU (bench/results/embed-default.json)."""
 
 
 def test_the_embedding_default_run_caches_gradients_on_the_gpu_and_retrieves_as_on_the_cpu(tmp_path):

@@ -31,17 +31,25 @@ from finetune.tasks.metrics import correlations, retrieval_metrics
 __all__ = ["CachedGradients", "Objective", "collate_texts", "corpus_ids", "embed", "load_encoder", "merged_encoder",
            "pair_metrics", "pair_predictions", "row_embeddings", "tokenize_pairs", "tokenize_text_rows"]
 
+ROW_VALUES = ("score", "text_ids")
+"""What a training batch holds of each row besides its texts, and the loss reads: ``text_ids`` gathers each row's
+``text_id_i`` (a number each, which a cut of the token lists, the memory estimate's, leaves whole)."""
+
+
 @dataclass(frozen=True)
 class Objective:
     """A loss over a global batch's embeddings ``[rows, texts, dim]`` (and its scores, for ``cosent``), the mean
-    over its rows for the row-wise losses, as sentence-transformers defines each."""
+    over its rows for the row-wise losses, as sentence-transformers defines each; given each text's id (equal
+    texts, equal ids), ``multiple_negatives_ranking`` counts no copy of a row's own answer as its negative
+    (``in_batch_copies``: what sentence-transformers' no-duplicates batch sampler keeps out of a batch instead)."""
 
     loss: str
     scale: float = 20.0
     symmetric: bool = False
     margin: float = 5.0
 
-    def __call__(self, embeddings: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, embeddings: torch.Tensor, scores: torch.Tensor | None = None,
+                 text_ids: torch.Tensor | None = None) -> torch.Tensor:
         rows = len(embeddings)
         if self.loss == "cosent":  # every pair scored lower than another is pushed below it
             similarity = self.scale * F.cosine_similarity(embeddings[:, 0], embeddings[:, 1], dim=-1)
@@ -54,10 +62,30 @@ class Objective:
         unit = F.normalize(embeddings, dim=-1)
         anchors, candidates = unit[:, 0], unit[:, 1:].transpose(0, 1).reshape(-1, unit.shape[-1])
         targets = torch.arange(rows, device=embeddings.device)
-        loss = F.cross_entropy(self.scale * anchors @ candidates.T, targets)
+        copies, same_pair = in_batch_copies(text_ids) if text_ids is not None else (None, None)
+        loss = F.cross_entropy(_without(self.scale * anchors @ candidates.T, copies), targets)
         if self.symmetric:  # and each positive against every anchor
-            loss = (loss + F.cross_entropy(self.scale * unit[:, 1] @ anchors.T, targets)) / 2
+            loss = (loss + F.cross_entropy(_without(self.scale * unit[:, 1] @ anchors.T, same_pair), targets)) / 2
         return loss
+
+
+def _without(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return logits if mask is None else logits.masked_fill(mask, -torch.inf)
+
+
+def in_batch_copies(text_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From each row's text ids ``[rows, texts]`` (anchor, positive, negatives), the candidates that are no negative
+    of a row's anchor: ``[rows, (texts - 1) * rows]`` in ``Objective``'s order (every positive, then every first
+    negative, ...), true where the text is the row's positive or, among the positives, that of a row asking the same;
+    and ``[rows, rows]``, the anchors that are no negative of a row's positive (a row with the same anchor or
+    positive). A row's own pair is never masked."""
+    anchors, positives = text_ids[:, 0], text_ids[:, 1]
+    same_pair = (anchors[:, None] == anchors[None, :]) | (positives[:, None] == positives[None, :])
+    same_pair.fill_diagonal_(False)
+    copies = text_ids[:, 1:].T.reshape(-1)[None, :] == positives[:, None]
+    copies[:, :len(text_ids)] |= same_pair
+    copies[:, :len(text_ids)].fill_diagonal_(False)
+    return copies, same_pair
 
 
 def load_encoder(path: str, trust_remote_code: bool, lora: LoraArguments | None) -> torch.nn.Module:
@@ -104,12 +132,13 @@ def row_embeddings(model, batch: dict, pooling: Pooling, texts: int) -> torch.Te
 
 
 def collate_texts(pad_token_id: int, keys: tuple[str, ...] = ()):
-    """Rows (``text_0``, ``text_1``, ... token lists, ``score``) to a batch: ``input_ids_i`` and ``attention_mask_i``
-    for each text column, right-padded to its longest; ``keys`` are further per-row values to keep (evaluation's
-    ``corpus_id``)."""
+    """Rows (``text_0``, ``text_1``, ... token lists, ``score``, ``text_id_0``, ...) to a batch: ``input_ids_i`` and
+    ``attention_mask_i`` for each text column, right-padded to its longest, and ``ROW_VALUES``; ``keys`` are further
+    per-row values to keep (evaluation's ``corpus_id``)."""
     def collate(rows: list[dict]) -> dict:
         batch = {}
-        for i in range(sum(key.startswith("text_") for key in rows[0])):
+        columns = sum(key.removeprefix("text_").isdigit() for key in rows[0])
+        for i in range(columns):
             texts = [row[f"text_{i}"] for row in rows]
             input_ids = torch.full((len(texts), max(map(len, texts))), pad_token_id, dtype=torch.long)
             attention_mask = torch.zeros_like(input_ids)
@@ -117,6 +146,8 @@ def collate_texts(pad_token_id: int, keys: tuple[str, ...] = ()):
                 input_ids[position, :len(ids)] = torch.tensor(ids)
                 attention_mask[position, :len(ids)] = 1
             batch[f"input_ids_{i}"], batch[f"attention_mask_{i}"] = input_ids, attention_mask
+        if "text_id_0" in rows[0]:
+            batch["text_ids"] = torch.tensor([[row[f"text_id_{i}"] for i in range(columns)] for row in rows])
         for key in ("score", *keys):
             if key in rows[0]:
                 batch[key] = torch.tensor([row[key] for row in rows])
@@ -144,7 +175,9 @@ def tokenize_pairs(raw: datasets.DatasetDict, tokenizer, loss: str, columns: lis
     raw = check_columns(raw, columns + scores, "--columns/--score_column", columns[:2] + scores)
     if len(raw["train"]) < 2:
         raise UserError(f"the training data has {len(raw['train'])} row; a contrastive loss needs at least 2")
-    tokenize_text_rows(raw["train"], tokenizer, columns, score, max_length, "train", tokenizing)
+    in_batch = loss == "multiple_negatives_ranking"
+    tokenize_text_rows(raw["train"], tokenizer, columns, score, max_length, "train", tokenizing,
+                       text_ids=numbered_texts([raw["train"][column] for column in columns]) if in_batch else None)
     tokenize_text_rows(raw["validation"], tokenizer, columns[:2], score, max_length, "validation", tokenizing,
                        None if scored else corpus_ids(raw["validation"][columns[1]]))
     return columns
@@ -156,11 +189,18 @@ def corpus_ids(positives: list[str]) -> list[int]:
     return [documents.setdefault(text, len(documents)) for text in positives]
 
 
+def numbered_texts(columns: list[list[str]]) -> list[list[int]]:
+    """Each row's texts (one list a column) as ids, equal where the texts are, whichever columns hold them."""
+    texts: dict[str, int] = {}
+    return [[texts.setdefault(text, len(texts)) for text in row] for row in zip(*columns, strict=True)]
+
+
 def tokenize_text_rows(split: datasets.Dataset, tokenizer, columns: list[str], score_column: str | None,
-                       max_length: int, name: str, tokenizing: Tokenizing,
-                       corpus_ids: list[int] | None = None) -> datasets.Dataset:
+                       max_length: int, name: str, tokenizing: Tokenizing, corpus_ids: list[int] | None = None,
+                       text_ids: list[list[int]] | None = None) -> datasets.Dataset:
     """Each row's ``columns`` (anchor, positive, negatives; or a scored pair) as ``text_0``, ``text_1``, ... token
-    lists cut to ``max_length``, its ``score``, and for evaluation each row's ``corpus_id``.
+    lists cut to ``max_length``, its ``score``, for evaluation each row's ``corpus_id``, and for an in-batch loss
+    its ``text_id_0``, ``text_id_1``, ... (``text_ids``).
 
     Raises:
         UserError: a text that is missing, empty or not a string, or a score that is missing or outside [-1, 1],
@@ -190,6 +230,8 @@ def tokenize_text_rows(split: datasets.Dataset, tokenizer, columns: list[str], s
             out["score"] = [float(s) for s in batch[score_column]]
         if corpus_ids is not None:
             out["corpus_id"] = [corpus_ids[row] for row in rows]
+        for i in range(len(columns) if text_ids is not None else 0):
+            out[f"text_id_{i}"] = [text_ids[row][i] for row in rows]
         return out
 
     features = {f"text_{i}": TOKEN_IDS for i in range(len(columns))}
@@ -197,6 +239,8 @@ def tokenize_text_rows(split: datasets.Dataset, tokenizer, columns: list[str], s
         features["score"] = datasets.Value("float32")
     if corpus_ids is not None:
         features["corpus_id"] = datasets.Value("int32")
+    if text_ids is not None:
+        features.update({f"text_id_{i}": datasets.Value("int64") for i in range(len(columns))})
     return tokenizing.map(split, encode, name, features)
 
 
@@ -241,18 +285,19 @@ class CachedGradients:
         on one process) as it is, to take its loss directly."""
         if len(window) == 1 and world_size() == 1:
             return window
-        states, local, scores = [], [], []
+        states, local, given = [], [], {key: [] for key in ROW_VALUES if key in window[0][0]}
         with torch.no_grad():
             for batch, planned in window:
                 states.append(random_state(batch["input_ids_0"].device))
                 embeddings = row_embeddings(model, batch, self.pooling, self.texts)
                 local.append(embeddings[:planned.num_real])  # a filler row keeps its rank stepping, nothing more
-                scores.append(batch["score"][:planned.num_real] if "score" in batch else embeddings.new_zeros(0))
+                for key, values in given.items():
+                    values.append(batch[key][:planned.num_real])
         embeddings, first = all_gather_rows(torch.cat(local))
-        global_scores, _ = all_gather_rows(torch.cat(scores))
+        gathered = {key: all_gather_rows(torch.cat(values))[0] for key, values in given.items()}
         embeddings.requires_grad_(True)
         # Summed over the rows, as the loop's loss is: it scales each process's share by world size / rows.
-        total = self.objective(embeddings, global_scores if global_scores.numel() else None) * len(embeddings)
+        total = self.objective(embeddings, gathered.get("score"), gathered.get("text_ids")) * len(embeddings)
         gradients = torch.autograd.grad(total, embeddings)[0]
         rolled = []
         for (batch, planned), state, rows in zip(window, states, local, strict=True):
@@ -271,7 +316,7 @@ class CachedGradients:
         theirs (``rollout``); a batch that is the whole global batch, or the memory estimate's, takes its own."""
         if "embedding_gradients" not in batch:
             embeddings = row_embeddings(model, batch, self.pooling, self.texts)
-            return self.objective(embeddings, batch.get("score")) * len(embeddings)
+            return self.objective(embeddings, batch.get("score"), batch.get("text_ids")) * len(embeddings)
         with replaying(batch["random_state"], batch["input_ids_0"].device):
             embeddings = row_embeddings(model, batch, self.pooling, self.texts)
         surrogate = (embeddings * batch["embedding_gradients"]).sum()
