@@ -111,16 +111,17 @@ def test_the_global_batch_trains_the_same_loss_and_gradient_however_its_micro_ba
 
 
 def test_no_copy_of_a_rows_answer_and_no_answer_to_its_question_is_its_negative():
-    """Rows 0 and 1 share their answer, row 2's hard negative is that answer too and row 3 asks what row 0 asks: each
-    anchor's loss is over the batch's answers and negatives less those (and, symmetric, each answer's over the
-    anchors less the rows sharing its anchor or its answer); without the text ids, over all of them."""
+    """Rows 0 and 1 share their answer, row 2's hard negative is that answer too and row 3 asks what row 0 asks:
+    each anchor's loss is over the batch's answers and negatives less the texts a row pairs with that anchor
+    (and, symmetric, each answer's over the anchors less those a row pairs with that answer); without the text ids,
+    over all of them."""
     torch.manual_seed(0)
     embeddings = torch.randn(4, 3, 8, dtype=torch.float64)
     text_ids = torch.tensor([[0, 1, 2], [3, 1, 4], [5, 6, 1], [0, 7, 8]])
     unit = F.normalize(embeddings, dim=-1)
     candidates = [(row, text) for text in (1, 2) for row in range(4)]
-    left_out = {0: {(1, 1), (2, 2), (3, 1)}, 1: {(0, 1), (2, 2)}, 2: set(), 3: {(0, 1)}}
-    reverse_left_out = {0: {1, 3}, 1: {0}, 2: set(), 3: {0}}
+    left_out = {0: {(1, 1), (2, 2), (3, 1)}, 1: {(0, 1), (2, 2)}, 2: set(), 3: {(0, 1), (1, 1), (2, 2)}}
+    reverse_left_out = {0: {1, 3}, 1: {0, 3}, 2: set(), 3: {0}}
 
     def loss(scores: list[torch.Tensor], own: int) -> torch.Tensor:
         return -torch.log_softmax(5.0 * torch.stack(scores), 0)[own]
@@ -303,6 +304,8 @@ def test_scored_pairs_train_with_cosent_and_report_correlations(tiny_bert, tmp_p
 @pytest.mark.parametrize(("rows", "flags", "expected"), [
     ([{"anchor": "a", "answer": "b"}] * 4, [], ["no column 'positive'", "--columns"]),
     ([{"anchor": "a", "positive": " "}] * 4, [], ["train data row 1", "'positive' is empty"]),
+    ([{"anchor": "a", "positive": "b", "negatives": ["c", "d"]}] * 4, [],
+     ["train data row 1", "'negatives' holds ['c', 'd'], not text"]),
     ([{"anchor": "a", "positive": "b"}], [], ["1 row", "at least 2"]),
     ([{"sentence1": "a", "sentence2": "b", "score": 4.0}] * 4, ["--loss", "cosent"], ["'score' is 4.0", "[-1, 1]"]),
     ([{"anchor": "a", "positive": "b"}] * 4, ["--loss", "triplet"], ["triplet needs", "negative"]),

@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import datasets
+import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
+import xxhash
 
 from finetune.data.batching import LENGTH, LOSS_UNITS, PlannedBatch, padded_tokens
 from finetune.data.cache import TOKEN_IDS, Tokenizing, fitting_prefixes
@@ -40,7 +42,7 @@ ROW_VALUES = ("score", "text_ids")
 class Objective:
     """A loss over a global batch's embeddings ``[rows, texts, dim]`` (and its scores, for ``cosent``), the mean
     over its rows for the row-wise losses, as sentence-transformers defines each; given each text's id (equal
-    texts, equal ids), ``multiple_negatives_ranking`` counts no copy of a row's own answer as its negative
+    texts, equal ids), ``multiple_negatives_ranking`` counts no answer to a row's question as its negative
     (``in_batch_copies``: what sentence-transformers' no-duplicates batch sampler keeps out of a batch instead)."""
 
     loss: str
@@ -75,17 +77,16 @@ def _without(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 def in_batch_copies(text_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """From each row's text ids ``[rows, texts]`` (anchor, positive, negatives), the candidates that are no negative
-    of a row's anchor: ``[rows, (texts - 1) * rows]`` in ``Objective``'s order (every positive, then every first
-    negative, ...), true where the text is the row's positive or, among the positives, that of a row asking the same;
-    and ``[rows, rows]``, the anchors that are no negative of a row's positive (a row with the same anchor or
-    positive). A row's own pair is never masked."""
-    anchors, positives = text_ids[:, 0], text_ids[:, 1]
-    same_pair = (anchors[:, None] == anchors[None, :]) | (positives[:, None] == positives[None, :])
-    same_pair.fill_diagonal_(False)
-    copies = text_ids[:, 1:].T.reshape(-1)[None, :] == positives[:, None]
-    copies[:, :len(text_ids)] |= same_pair
-    copies[:, :len(text_ids)].fill_diagonal_(False)
-    return copies, same_pair
+    of a row's anchor, ``[rows, (texts - 1) * rows]`` in ``Objective``'s order (every positive, then every first
+    negative, ...): wherever they are, the texts some row of the batch pairs with that anchor as its positive; and
+    ``[rows, rows]``, the anchors that are no negative of a row's positive: those some row pairs with it. A row's
+    own pair is never masked."""
+    anchors, positives, candidates = text_ids[:, 0], text_ids[:, 1], text_ids[:, 1:].T.reshape(-1)
+    same_anchor = (anchors[:, None] == anchors[None, :]).float()
+    paired = same_anchor @ (positives[:, None] == candidates[None, :]).float() > 0
+    paired[:, :len(text_ids)].fill_diagonal_(False)
+    reverse = (positives[:, None] == positives[None, :]).float() @ same_anchor > 0
+    return paired, reverse.fill_diagonal_(False)
 
 
 def load_encoder(path: str, trust_remote_code: bool, lora: LoraArguments | None) -> torch.nn.Module:
@@ -175,9 +176,8 @@ def tokenize_pairs(raw: datasets.DatasetDict, tokenizer, loss: str, columns: lis
     raw = check_columns(raw, columns + scores, "--columns/--score_column", columns[:2] + scores)
     if len(raw["train"]) < 2:
         raise UserError(f"the training data has {len(raw['train'])} row; a contrastive loss needs at least 2")
-    in_batch = loss == "multiple_negatives_ranking"
     tokenize_text_rows(raw["train"], tokenizer, columns, score, max_length, "train", tokenizing,
-                       text_ids=numbered_texts([raw["train"][column] for column in columns]) if in_batch else None)
+                       text_ids=loss == "multiple_negatives_ranking")
     tokenize_text_rows(raw["validation"], tokenizer, columns[:2], score, max_length, "validation", tokenizing,
                        None if scored else corpus_ids(raw["validation"][columns[1]]))
     return columns
@@ -189,18 +189,13 @@ def corpus_ids(positives: list[str]) -> list[int]:
     return [documents.setdefault(text, len(documents)) for text in positives]
 
 
-def numbered_texts(columns: list[list[str]]) -> list[list[int]]:
-    """Each row's texts (one list a column) as ids, equal where the texts are, whichever columns hold them."""
-    texts: dict[str, int] = {}
-    return [[texts.setdefault(text, len(texts)) for text in row] for row in zip(*columns, strict=True)]
-
-
 def tokenize_text_rows(split: datasets.Dataset, tokenizer, columns: list[str], score_column: str | None,
                        max_length: int, name: str, tokenizing: Tokenizing, corpus_ids: list[int] | None = None,
-                       text_ids: list[list[int]] | None = None) -> datasets.Dataset:
+                       text_ids: bool = False) -> datasets.Dataset:
     """Each row's ``columns`` (anchor, positive, negatives; or a scored pair) as ``text_0``, ``text_1``, ... token
-    lists cut to ``max_length``, its ``score``, for evaluation each row's ``corpus_id``, and for an in-batch loss
-    its ``text_id_0``, ``text_id_1``, ... (``text_ids``).
+    lists cut to ``max_length``, its ``score``, for evaluation each row's ``corpus_id``, and with ``text_ids`` (an
+    in-batch loss) ``text_id_0``, ``text_id_1``, ...: a 63-bit hash of each token list, equal where the tokens the
+    model reads are.
 
     Raises:
         UserError: a text that is missing, empty or not a string, or a score that is missing or outside [-1, 1],
@@ -230,8 +225,9 @@ def tokenize_text_rows(split: datasets.Dataset, tokenizer, columns: list[str], s
             out["score"] = [float(s) for s in batch[score_column]]
         if corpus_ids is not None:
             out["corpus_id"] = [corpus_ids[row] for row in rows]
-        for i in range(len(columns) if text_ids is not None else 0):
-            out[f"text_id_{i}"] = [text_ids[row][i] for row in rows]
+        for i in range(len(columns) if text_ids else 0):
+            out[f"text_id_{i}"] = [xxhash.xxh3_64_intdigest(np.asarray(ids, np.int64).tobytes()) >> 1
+                                   for ids in out[f"text_{i}"]]
         return out
 
     features = {f"text_{i}": TOKEN_IDS for i in range(len(columns))}
@@ -239,7 +235,7 @@ def tokenize_text_rows(split: datasets.Dataset, tokenizer, columns: list[str], s
         features["score"] = datasets.Value("float32")
     if corpus_ids is not None:
         features["corpus_id"] = datasets.Value("int32")
-    if text_ids is not None:
+    if text_ids:
         features.update({f"text_id_{i}": datasets.Value("int64") for i in range(len(columns))})
     return tokenizing.map(split, encode, name, features)
 
