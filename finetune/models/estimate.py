@@ -5,6 +5,7 @@ extrapolated."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import gc
 import itertools
@@ -49,14 +50,15 @@ def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module, lay
                       held: Iterable[torch.Tensor] = ()) -> int:
     """The bytes ``forward()`` would leave kept for a backward pass: every tensor autograd saves (each storage once,
     neither the weights nor the tensors ``held`` anyway counted), and the input of each checkpointed layer, which
-    the recompute holds outside autograd. ``layer_calls`` gets ``(layer, tokens)`` for each call of a checkpointed
-    layer with gradients, in order.
+    the recompute holds outside autograd. ``layer_calls`` gets ``LayerCall`` for each call with gradients of a
+    layer that can be checkpointed, checkpointed or not, in the order the calls end.
 
     Counted, not kept: each saved tensor is dropped as it is counted, so the count needs no more memory than a
     forward pass without gradients, and its graph can run no backward pass."""
     weights = {tensor.untyped_storage().data_ptr() for tensor in itertools.chain(model.parameters(), held)}
     alive: dict[int, StorageWeakRef] = {}  # counted storages by address, while they live (an address is reused)
     kept = 0
+    entered: list[tuple[bool, int]] = []
 
     def count(tensor: torch.Tensor) -> None:
         nonlocal kept
@@ -66,15 +68,21 @@ def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module, lay
             alive[address] = StorageWeakRef(storage)
             kept += storage.nbytes()
 
-    layers = [module for module in model.modules()
-              if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing]
     def before_layer(module: torch.nn.Module, args: tuple) -> None:
-        if torch.is_grad_enabled():  # a pass without gradients (a live reference's) holds no input for a recompute
+        # a pass without gradients (a live reference's) holds no input for a recompute
+        entered.append((torch.is_grad_enabled(), kept))
+        if torch.is_grad_enabled() and module.gradient_checkpointing:
             count(args[0])
-            if layer_calls is not None:
-                layer_calls.append((module, args[0].shape[:-1].numel()))
 
-    hooks = [layer.register_forward_pre_hook(before_layer) for layer in layers]
+    def after_layer(module: torch.nn.Module, args: tuple, output) -> None:
+        with_gradients, at_entry = entered.pop()
+        if with_gradients and layer_calls is not None:
+            layer_calls.append(LayerCall(module, args[0].shape[:-1].numel(), args[0].untyped_storage().nbytes(),
+                                         kept - at_entry))
+
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    hooks = [hook for layer in layers for hook in (layer.register_forward_pre_hook(before_layer),
+                                                   layer.register_forward_hook(after_layer))]
     try:
         with torch.autograd.graph.saved_tensors_hooks(count, lambda nothing: nothing):
             forward()
@@ -82,6 +90,17 @@ def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module, lay
         for hook in hooks:
             hook.remove()
     return kept
+
+
+class LayerCall(NamedTuple):
+    """A call of a layer that can be checkpointed, as ``kept_for_backward`` counted it."""
+
+    layer: torch.nn.Module
+    tokens: int
+    input_bytes: int
+    kept: int
+    """Counted from its start to its end: its input if it is checkpointed, else all it saves that was not yet
+    counted (its input, where its first operation saves it, among them)."""
 
 
 @dataclass
@@ -330,17 +349,24 @@ def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointi
         kept = count()
         if recomputable:
             _recompute_layers(model, base, True)
-            layer_calls = []
-            recomputed = count(layer_calls)
+            # The last layer, likely the last that runs, keeps its activations: its own share is counted apart
+            # and the other way round, sparing a pass with every layer recomputed.
+            guess = _last_recomputed(model)
+            layer_calls: list[LayerCall] = []
+            with _kept_whole(guess):
+                mixed = count(layer_calls)
             outer = _outermost(layer_calls)
-            if outer:  # the last layer that ran (a tower registered after the text layers may not run)
-                last = outer[-1][0]
-                passes = [tokens for layer, tokens in outer if layer is last]
-                last.gradient_checkpointing = False
-                try:
+            ran = [call for call in outer if call.layer is guess]
+            inside, inputs = sum(call.kept for call in ran), sum(call.input_bytes for call in ran)
+            recomputed = mixed - inside + inputs
+            if outer and outer[-1].layer is guess:
+                passes = [call.tokens for call in ran]
+                one_layer = (inside - inputs) * max(passes) // max(1, sum(passes))
+            elif outer:  # the last layer that ran is another (a tower registered after the text layers may not run)
+                last = outer[-1].layer
+                passes = [call.tokens for call in outer if call.layer is last]
+                with _kept_whole(last):
                     one_layer = (count() - recomputed) * max(passes) // max(1, sum(passes))
-                finally:
-                    last.gradient_checkpointing = True
             else:  # its layers recompute their own way (remote code): each taken to keep an equal share
                 one_layer = kept // max(1, getattr(base.config.get_text_config(), "num_hidden_layers", 1) or 1)
         _recompute_layers(model, base, checkpointing)
@@ -348,11 +374,30 @@ def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointi
     return kept, recomputed, one_layer
 
 
-def _outermost(layer_calls: list) -> list:
+def _last_recomputed(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The last recomputed layer registered that is inside no other."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    inner = {id(sub) for layer in layers for sub in layer.modules() if sub is not layer}
+    return next((layer for layer in reversed(layers) if id(layer) not in inner), None)
+
+
+@contextlib.contextmanager
+def _kept_whole(layer: torch.nn.Module | None):
+    """``layer`` (if any) keeps its activations for the time being."""
+    if layer is not None:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        if layer is not None:
+            layer.gradient_checkpointing = True
+
+
+def _outermost(layer_calls: list[LayerCall]) -> list[LayerCall]:
     """The calls of layers not inside another of the layers called."""
-    layers = {id(layer): layer for layer, _ in layer_calls}
+    layers = {id(call.layer): call.layer for call in layer_calls}
     inner = {id(sub) for layer in layers.values() for sub in layer.modules() if sub is not layer}
-    return [(layer, tokens) for layer, tokens in layer_calls if id(layer) not in inner]
+    return [call for call in layer_calls if id(call.layer) not in inner]
 
 
 def _recompute_layers(model, base, on: bool) -> None:
