@@ -306,6 +306,41 @@ def test_a_call_without_arguments_or_that_does_not_parse_gets_an_error_to_read_a
     assert sum(episode.trained) == len(bare) + len(broken) + len(unknown)
 
 
+def test_a_tool_result_that_would_take_an_episode_to_the_model_s_context_ends_it_without_the_result(
+        chat_tokenizer, lookup):
+    """TRL's ceiling: an episode whose tool turn would reach the model's max_position_embeddings ends at the reply
+    that called the tool, truncated, without the result; one position more and the result and the next reply come."""
+    from types import SimpleNamespace
+
+    from transformers import PretrainedConfig
+
+    tokenizer = copy.deepcopy(chat_tokenizer)
+    tokenizer.chat_template = (TEMPLATES / "qwen2_5.jinja").read_text()
+
+    class Args:
+        max_completion_length, max_turns = 200, None
+
+    episodes, tools = Episodes(Args, tokenizer, lookup), lookup.schemas
+    stop_text = tokenizer.decode(end_of_turn_ids(tokenizer)[-1:])
+    call, answer = (rendered_reply(tokenizer, CONVERSATION, turn, tools, stop_text) for turn in (1, 3))
+    prompt = tokenizer(tokenizer.apply_chat_template(CONVERSATION[:1], tools=tools, add_generation_prompt=True,
+                                                     tokenize=False), add_special_tokens=False)["input_ids"]
+
+    def rolled(context: int | None):
+        model = None if context is None else SimpleNamespace(config=PretrainedConfig(max_position_embeddings=context))
+        return episodes.roll(model, [prompt], [1], [CONVERSATION[:1]], lambda turn: [turn],
+                             Scripted([call, answer]))[0]
+
+    whole = rolled(None)
+    assert whole.ids[:len(call)] == call and whole.ids[-len(answer):] == answer and not whole.truncated
+    reaching = len(prompt) + len(whole.ids) - len(answer)  # the context once the tool's result is in
+    cut = rolled(reaching)
+    assert (cut.ids, cut.turns, cut.tool_calls, cut.truncated) == (call, 1, 1, True)
+    assert [m["role"] for m in cut.messages] == ["assistant"]
+    fits = rolled(reaching + 1)
+    assert (fits.ids, fits.truncated, fits.messages) == (whole.ids, False, whole.messages)
+
+
 def test_the_chat_recipe_gives_the_tools_schemas_to_rows_without_their_own(tiny_chat_model, chat_tokenizer, shop,
                                                                           tmp_path):
     """The conversations an SFT step before GRPO trains on render with the tools GRPO will prompt with."""

@@ -27,7 +27,7 @@ import jinja2
 import numpy as np
 import torch
 
-from finetune.distributed.ddp import all_reduce_max
+from finetune.distributed.ddp import all_reduce_max, unwrap
 from finetune.distributed.fsdp import is_sharded
 from finetune.errors import UserError
 from finetune.tasks.chat import IGNORE, end_of_turn_ids, without_nulls, write_generations
@@ -162,6 +162,13 @@ def tool_figures(table: np.ndarray) -> dict[str, float]:
             **{f"tools/errors/{kind}": float(table[:, 2 + k].sum()) for k, kind in enumerate(ERROR_KINDS)}}
 
 
+def context_length(model) -> int | None:
+    """The most positions ``model`` reads (its config's ``max_position_embeddings``), None where it does not say."""
+    config = getattr(unwrap(model), "config", None) if model is not None else None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text_config, "max_position_embeddings", None)
+
+
 class Episodes:
     """Rolls out episodes with the tools of ``pool`` (``finetune.tasks.tools.ToolPool``): ``args`` holds
     ``max_completion_length`` (sampled tokens over all turns) and ``max_turns`` (replies; None: no limit);
@@ -204,7 +211,7 @@ class Episodes:
         episodes = [Episode(prompts[i], prompt_messages[i]) for i in owners]
         if self.pool.environment_index is not None:
             self._reset(episodes, [rows[i] for i in owners])
-        budget = self.args.max_completion_length
+        budget, ceiling = self.args.max_completion_length, context_length(model)
         turn, kept, kept_episodes = 0, None, []
         while True:
             going = [k for k, episode in enumerate(episodes) if not episode.ended]
@@ -229,7 +236,7 @@ class Episodes:
             kept_episodes = going
             calls = [call for k, reply in zip(going, replies, strict=True)
                      for call in self._take_reply(episodes[k], k, reply)]
-            self._answer(episodes, calls)
+            self._answer(episodes, calls, ceiling)
             turn += 1
         return episodes
 
@@ -274,9 +281,10 @@ class Episodes:
         episode.tool_calls += len(calls)
         return calls
 
-    def _answer(self, episodes: list[Episode], calls: list[ToolCall]) -> None:
+    def _answer(self, episodes: list[Episode], calls: list[ToolCall], ceiling: int | None) -> None:
         """Make a turn's tool calls and add their results, with the template's tokens around them, to their
-        episodes."""
+        episodes; an episode they would take to ``ceiling`` tokens (the model's context) ends there without them,
+        truncated."""
         started = time.perf_counter()
         results = self.pool.call(calls) if calls else []
         self._tool_seconds += time.perf_counter() - started
@@ -291,6 +299,9 @@ class Episodes:
             episode = episodes[k]
             inserted = tool_turn_ids(self.tokenizer, episode.prompt_messages + episode.messages, tool_messages,
                                      self.pool.schemas, self.end_text, self.options)
+            if ceiling is not None and len(episode.prompt) + len(episode.ids) + len(inserted) >= ceiling:
+                episode.ended = episode.truncated = True
+                continue
             episode.ids += inserted
             episode.trained += [0] * len(inserted)
             episode.messages += tool_messages
