@@ -82,7 +82,7 @@ def kept_for_backward(forward: Callable[[], object], model: torch.nn.Module, lay
 
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
     hooks = [hook for layer in layers for hook in (layer.register_forward_pre_hook(before_layer),
-                                                   layer.register_forward_hook(after_layer))]
+                                                   layer.register_forward_hook(after_layer, always_call=True))]
     try:
         with torch.autograd.graph.saved_tensors_hooks(count, lambda nothing: nothing):
             forward()
@@ -352,6 +352,8 @@ def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointi
             # The last layer, likely the last that runs, keeps its activations: its own share is counted apart
             # and the other way round, sparing a pass with every layer recomputed.
             guess = _last_recomputed(model)
+            with _kept_whole(guess):  # a model whose one recomputed layer it is would take its other path
+                guess = guess if base.is_activation_checkpointing else None
             layer_calls: list[LayerCall] = []
             with _kept_whole(guess):
                 mixed = count(layer_calls)
