@@ -379,7 +379,7 @@ def _count_both_ways(model, loss, batch: dict, device: torch.device, checkpointi
 def _last_recomputed(model: torch.nn.Module) -> torch.nn.Module | None:
     """The last recomputed layer registered that is inside no other."""
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-    inner = {id(sub) for layer in layers for sub in layer.modules() if sub is not layer}
+    inner = _inside(layers)
     return next((layer for layer in reversed(layers) if id(layer) not in inner), None)
 
 
@@ -397,9 +397,13 @@ def _kept_whole(layer: torch.nn.Module | None):
 
 def _outermost(layer_calls: list[LayerCall]) -> list[LayerCall]:
     """The calls of layers not inside another of the layers called."""
-    layers = {id(call.layer): call.layer for call in layer_calls}
-    inner = {id(sub) for layer in layers.values() for sub in layer.modules() if sub is not layer}
+    inner = _inside({id(call.layer): call.layer for call in layer_calls}.values())
     return [call for call in layer_calls if id(call.layer) not in inner]
+
+
+def _inside(layers: Iterable[torch.nn.Module]) -> set[int]:
+    """The ids of the modules inside any of ``layers``."""
+    return {id(sub) for layer in layers for sub in layer.modules() if sub is not layer}
 
 
 def _recompute_layers(model, base, on: bool) -> None:
