@@ -57,6 +57,33 @@ def chat_model(tmp_path, chat_tokenizer) -> Path:
     return save_tiny_llama(tmp_path / "run", chat_tokenizer, initializer_range=0.05)
 
 
+def test_a_gguf_file_converts_to_the_model_folder_transformers_reads_parsing_it_once(chat_model, tmp_path,
+                                                                                     monkeypatch):
+    """How the default chat model and Gemma's tests get their folders: transformers reads the file three times (the
+    tokenizer's config, the model's, the weights), gguf's reader parses it once; the weights are the file's."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from finetune.models.loading import dequantized_gguf_folder
+
+    path = exported(chat_model, "--to", "gguf", "--quant", "f16")
+    parsed = []
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            parsed.append(str(path))
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    folder = dequantized_gguf_folder(path, tmp_path / "folder", "a/name")
+    assert parsed == [str(path)] and gguf.GGUFReader is Counted
+    converted = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(chat_model, dtype=torch.float32).state_dict()
+    assert converted.keys() == trained.keys()
+    for name, weight in trained.items():  # f16: the matrices rounded, the norms kept
+        assert torch.equal(converted[name], weight.half().float() if weight.ndim == 2 else weight), name
+
+
 def test_a_gguf_file_reads_back_as_the_model_that_trained_its_tokenizer_and_its_template(chat_model,
                                                                                          chat_tokenizer):
     """f16: transformers reads the file as the model with its matrices rounded to float16 (norms stay float32),

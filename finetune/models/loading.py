@@ -97,8 +97,9 @@ def dequantized_gguf_folder(gguf_file: Path, folder: Path, name_or_path: str) ->
 
     with filelock.FileLock(f"{folder}.lock"):
         if not folder.is_dir():
-            tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-            model = transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+            with _parsed_once():
+                tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+                model = transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
             # The weights are dequantized already; only the flags say otherwise.
             model.hf_quantizer, model.is_quantized = None, False
             del model.config.quantization_config
@@ -107,6 +108,28 @@ def dequantized_gguf_folder(gguf_file: Path, folder: Path, name_or_path: str) ->
                 model.save_pretrained(staging)
                 tokenizer.save_pretrained(staging)
     return folder
+
+
+@contextlib.contextmanager
+def _parsed_once():
+    """gguf's reader shared by every read of one file in the block: transformers parses the file for the
+    tokenizer's config, again for the model's and again for the weights, 8 s each for Gemma 3's 262k-token
+    vocabulary."""
+    import gguf
+
+    parse, readers = gguf.GGUFReader, {}
+
+    def shared(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared  # transformers imports it from gguf at each read
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = parse
 
 
 def from_pretrained(auto_class, name_or_path: str, **kwargs):
