@@ -32,6 +32,9 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
 """The ``transformers.SchedulerType`` values that need nothing but the warmup and the number of steps (the others
 need a metric or options no flag passes), spelled out so that checking a flag does not import torch."""
 
+POLYNOMIAL_END = 1e-7
+"""Where the ``polynomial`` schedule ends (transformers' ``lr_end``; its power is 1)."""
+
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 """What ``--report_to`` may name, each also the package that must be installed for it."""
 
@@ -160,6 +163,9 @@ class TrainConfig:
         if self.lr_scheduler_type not in SCHEDULERS:
             raise UserError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown, or needs a metric or options "
                             f"no flag passes; use one of {', '.join(SCHEDULERS)}")
+        if self.lr_scheduler_type == "polynomial" and not self.learning_rate > POLYNOMIAL_END:
+            raise UserError(f"--lr_scheduler_type polynomial decays to {POLYNOMIAL_END}; give a --learning_rate "
+                            "above it")
         if self.checkpointing_steps is not None and self.checkpointing_steps != "epoch" and not (
             self.checkpointing_steps.isdigit() and int(self.checkpointing_steps) > 0
         ):

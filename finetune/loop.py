@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import set_seed
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
-from transformers import get_scheduler, set_seed
 
 from finetune.checkpointing.checkpoint import (
     LOG_HISTORY,
@@ -57,6 +57,7 @@ from finetune.models.memory import check_tiling, keep_less
 from finetune.observability.metering import TrainingMeter
 from finetune.runtimes.base import Runtime, TrackerSettings
 from finetune.runtimes.launcher import make_runtime
+from finetune.schedules import learning_rate_schedule
 from finetune.startup import announce, prepare_only, training_sampler
 from finetune.task import Task
 
@@ -122,7 +123,7 @@ def train(task: Task, cfg: TrainConfig, task_options=None) -> dict:
         optimizer = torch.optim.AdamW(optimizer_param_groups(setup.model, cfg.weight_decay), lr=cfg.learning_rate,
                                       fused=True)
         schedule = Schedule.of(sampler.batches_per_rank, cfg)
-        scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps, schedule.max_steps)
+        scheduler = learning_rate_schedule(cfg.lr_scheduler_type, optimizer, cfg.num_warmup_steps, schedule.max_steps)
 
         # -- resume: weights, optimizer, schedule, RNG and the position in the epoch, at another world size too
         # when the global batch is kept

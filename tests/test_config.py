@@ -99,6 +99,12 @@ def test_a_bad_value_is_refused_alike_from_yaml_and_the_command_line(tmp_path, k
         parse(["--config", str(path)])
 
 
+def test_a_polynomial_schedule_needs_a_learning_rate_above_where_it_ends():
+    with pytest.raises(UserError, match="polynomial decays to 1e-07; give a --learning_rate above it"):
+        parse(["--lr_scheduler_type", "polynomial", "--learning_rate", "1e-7"])
+    assert parse(["--lr_scheduler_type", "polynomial", "--learning_rate", "2e-7"])[0].learning_rate == 2e-7
+
+
 def test_a_type_error_names_where_the_value_came_from(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("num_train_epochs: 2.5\n")
