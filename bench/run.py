@@ -3,7 +3,7 @@
     python bench/run.py                          # classify: ~23 minutes on 2 CPU cores -> bench/results/latest.*
     python bench/run.py --suite hub_push         # ~5 minutes -> bench/results/hub-push.*
     python bench/run.py --suite token_classify   # ~9 minutes -> bench/results/token-classify.*
-    python bench/run.py --suite embed            # ~14 minutes -> bench/results/embed.*  (sentence-transformers)
+    python bench/run.py --suite embed --repeats 3  # ~15 minutes -> bench/results/embed.*  (sentence-transformers)
     python bench/run.py --suite sft              # ~16 minutes -> bench/results/sft.*  (needs pip install -e ".[bench]")
     python bench/run.py --suite dpo              # ~35 minutes -> bench/results/dpo.*  (needs pip install -e ".[bench]")
     python bench/run.py --suite grpo             # ~25 minutes -> bench/results/grpo.* (needs pip install -e ".[bench]")
