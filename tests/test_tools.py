@@ -111,6 +111,17 @@ class Shop(Orders):
         return STATUS[order_id]
 
 
+def imported(module: str) -> str:
+    """Whether this worker process has imported a module.
+
+    Args:
+        module: The module's name.
+    """
+    import sys
+
+    return str(module in sys.modules)
+
+
 class NoReset:
     def lookup_order(self, order_id: str) -> str:
         """The status of an order.
@@ -153,6 +164,15 @@ def test_a_tool_answers_and_every_failure_comes_back_to_the_model_as_an_error_co
     assert results[3].text == "{'error': 'Tool refund not found. The tools are: lookup_order, hangs, exits.'}"
     assert "timed out after 2 s" in results[6].text and "exit status 3" in results[7].text
     assert set(ERROR_KINDS) >= {r.error for r in results if r.error}
+
+
+def test_only_the_first_worker_describes_the_tools_the_others_never_import_torch(shop):
+    """transformers' get_json_schema imports torch (a second or more a worker); the description is the same in
+    every worker, so one makes it."""
+    with ToolPool([f"{shop}:imported"], workers=3) as pool:
+        assert [s["function"]["name"] for s in pool.schemas] == ["imported"]
+        results = pool.call([ToolCall("imported", {"module": "torch"}, episode=k) for k in range(3)])
+    assert sorted(r.text for r in results) == ["False", "False", "True"]
 
 
 def test_an_environment_starts_per_episode_keeps_its_state_across_calls_and_rewards_read_it(chat_tokenizer, shop):

@@ -226,7 +226,8 @@ class WorkerPool:
     ``passed_environment``. A call that takes more than ``timeout`` seconds fails and its worker is killed and
     replaced; so is one whose worker dies. Workers die with the thread that started them (Linux's parent-death
     signal), so start and use the pool from one thread that lives as long as it. ``described`` is what the
-    handler's ``ready`` said of the functions in the first worker. ``preload`` names more that the workers load
+    handler's ``ready`` said of the functions, in the first worker only (transformers' tool schemas import torch:
+    seconds a worker). ``preload`` names more that the workers load
     but do not call: the classes of objects that calls unpickle.
 
     Raises:
@@ -252,8 +253,8 @@ class WorkerPool:
         self._selector = selectors.DefaultSelector()
         self._workers: list[_Worker] = []
         try:
-            for _ in range(workers or len(specs)):
-                self._workers.append(self._start())
+            for k in range(workers or len(specs)):
+                self._workers.append(self._start(describe=k == 0))
             while not all(worker.ready for worker in self._workers):
                 self._poll()
         except BaseException:
@@ -305,7 +306,7 @@ class WorkerPool:
         self._workers = []
         self._selector.close()
 
-    def _start(self) -> _Worker:
+    def _start(self, describe: bool = False) -> _Worker:
         # -m finds this package by the PYTHONPATH given here; the worker then takes this process's sys.path and
         # PYTHONPATH, so that it imports the user's modules as this process did.
         env = {**self._environment,
@@ -314,7 +315,7 @@ class WorkerPool:
                                    stdout=subprocess.PIPE, env=env)
         worker = _Worker(process, deadline=time.monotonic() + STARTUP_TIMEOUT)
         try:
-            _write_frame(process.stdin, self._init)
+            _write_frame(process.stdin, {**self._init, "describe": describe})
         except OSError:  # it ended at once; _poll says how
             pass
         os.set_blocking(process.stdout.fileno(), False)
@@ -392,7 +393,7 @@ class WorkerPool:
                             f"({self._replace(worker)}); check that the modules import in a fresh process")
         if reply[0] == "error":
             raise UserError(reply[1])
-        if self.described is None:
+        if reply[1] is not None:
             self.described = reply[1]
         worker.ready, worker.deadline = True, None
 
@@ -458,7 +459,7 @@ def _worker() -> None:
     try:
         funcs = load_funcs(init["specs"], FunctionKind(*init["kind"]))
         load_funcs(init["preload"], FunctionKind(*init["kind"]))
-        described = handler.ready(funcs, init["specs"])
+        described = handler.ready(funcs, init["specs"]) if init["describe"] else None
     except UserError as err:
         _write_frame(replies, ("error", f"in a {init['kind'][1]} worker process: {err}"))
         return
