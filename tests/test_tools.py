@@ -171,8 +171,10 @@ def test_only_the_first_worker_describes_the_tools_the_others_never_import_torch
     every worker, so one makes it."""
     with ToolPool([f"{shop}:imported"], workers=3) as pool:
         assert [s["function"]["name"] for s in pool.schemas] == ["imported"]
-        results = pool.call([ToolCall("imported", {"module": "torch"}, episode=k) for k in range(3)])
-    assert sorted(r.text for r in results) == ["False", "False", "True"]
+        described, torch = ([r.text for r in pool.call([ToolCall("imported", {"module": module}, episode=k)
+                                                        for k in range(3)])]  # a call per worker, in order
+                            for module in ("transformers.utils.chat_template_utils", "torch"))
+    assert sorted(described) == ["False", "False", "True"] and torch == described
 
 
 def test_an_environment_starts_per_episode_keeps_its_state_across_calls_and_rewards_read_it(chat_tokenizer, shop):

@@ -195,8 +195,8 @@ class ToolPool(WorkerPool):
 
 def ready(funcs: list[Callable[..., Any]], specs: list[str]) -> list[tuple[dict, str | None]]:
     """Each tool's JSON schema, with the name of the environment's method it is (None for a function):
-    ``finetune.tasks.workers``' handler, once the tools load. The environment (a class) gives its public methods
-    but ``reset``, as TRL takes them.
+    ``finetune.tasks.workers``' handler, once the tools load, in the pool's first worker. The environment (a
+    class) gives its public methods but ``reset``, as TRL takes them.
 
     Raises:
         UserError: a tool transformers cannot describe (no type hint, no docstring, an argument the docstring

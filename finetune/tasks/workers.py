@@ -9,8 +9,8 @@ worker that passes the timeout is killed, one that dies is replaced, and the cal
 are ``python -m finetune.tasks.workers`` started with ``subprocess`` and spoken to over pipes in pickled frames:
 multiprocessing's spawn and forkserver would import the recipe's ``__main__`` again (torch and transformers, seconds
 each), and forking copies a process that holds torch's threads. A worker imports this module, the module that says
-what a call does (a pool's *handler*: ``serve(func, mode, payload)`` and ``ready(funcs)``) and the user's modules,
-from the training process's ``sys.path``.
+what a call does (a pool's *handler*: ``serve(func, mode, payload)`` and ``ready(funcs, specs)``) and the user's
+modules, from the training process's ``sys.path``.
 """
 
 from __future__ import annotations
@@ -210,6 +210,8 @@ class Call:
 @dataclass(eq=False)
 class _Worker:
     process: subprocess.Popen
+    describes: bool
+    """Whether it reports the handler's ``ready`` (the pool's first worker)."""
     ready: bool = False
     call: Call | None = None
     deadline: float | None = None
@@ -226,9 +228,9 @@ class WorkerPool:
     ``passed_environment``. A call that takes more than ``timeout`` seconds fails and its worker is killed and
     replaced; so is one whose worker dies. Workers die with the thread that started them (Linux's parent-death
     signal), so start and use the pool from one thread that lives as long as it. ``described`` is what the
-    handler's ``ready`` said of the functions, in the first worker only (transformers' tool schemas import torch:
-    seconds a worker). ``preload`` names more that the workers load
-    but do not call: the classes of objects that calls unpickle.
+    handler's ``ready`` said of the functions in the first worker the pool starts, the only one that asks it (a
+    description can take seconds: transformers' tool schemas import torch). ``preload`` names more that the
+    workers load but do not call: the classes of objects that calls unpickle.
 
     Raises:
         UserError: a worker cannot load the functions (see ``load_funcs``), the handler's ``ready`` refuses them, or
@@ -313,7 +315,7 @@ class WorkerPool:
                "PYTHONPATH": os.pathsep.join(filter(None, [_IMPORT_ROOT, os.environ.get("PYTHONPATH")]))}
         process = subprocess.Popen([sys.executable, "-m", "finetune.tasks.workers"], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, env=env)
-        worker = _Worker(process, deadline=time.monotonic() + STARTUP_TIMEOUT)
+        worker = _Worker(process, describe, deadline=time.monotonic() + STARTUP_TIMEOUT)
         try:
             _write_frame(process.stdin, {**self._init, "describe": describe})
         except OSError:  # it ended at once; _poll says how
@@ -393,7 +395,7 @@ class WorkerPool:
                             f"({self._replace(worker)}); check that the modules import in a fresh process")
         if reply[0] == "error":
             raise UserError(reply[1])
-        if reply[1] is not None:
+        if worker.describes:
             self.described = reply[1]
         worker.ready, worker.deadline = True, None
 
