@@ -59,8 +59,7 @@ def _cosine_with_restarts(step: int, *, warmup: int, total: int) -> float:  # on
 def _polynomial(step: int, *, warmup: int, total: int, start: float) -> float:
     if step >= total:  # where transformers' formula would divide by zero when the warmup is every step
         return POLYNOMIAL_END / start
-    remaining = 1 - (step - warmup) / max(1, total - warmup)
-    return ((start - POLYNOMIAL_END) * remaining + POLYNOMIAL_END) / start
+    return ((start - POLYNOMIAL_END) * (1 - _progress(step, warmup, total)) + POLYNOMIAL_END) / start
 
 
 def _constant(step: int, *, warmup: int, total: int) -> float:
