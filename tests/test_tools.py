@@ -555,21 +555,28 @@ def test_every_layout_samples_the_same_episodes_calls_the_same_tools_and_trains_
     assert float(figures["eval_tools/calls/mean"]) > 0.5 and "eval_reward" in figures, before
     first = reference[0]
     assert first["tools/calls/mean"] > 0.5 and first["tools/turns/mean"] > 1.5, "episodes of several turns"
-    assert first["reward_std"] > 0 and reference[1]["kl"] > 0
+    # which sampled batch first has rewards that differ (a gradient to compare) depends on the CPU's rounding
+    # in sampling: the first on some machines, the second (step 3) on an AMD EPYC
+    assert any(h.get("reward_std", 0) > 0 for h in reference) and reference[-1]["kl"] > 0
     adapter = load_file(tool_runs["one"] / "adapter_model.safetensors")
     results = read_results(tool_runs["one"])
     assert results["eval_tools/calls/mean"] > 0.5 and "eval_reward" in results
+    # Up to the first step that moves the weights every layout holds the same ones and agrees to rounding; that
+    # step's AdamW update turns rounding of gradient entries near its eps into weight differences of up to 1e-4
+    # (the adapters' check below), which the later steps' gradients and KL carry (2e-5 of them seen on an AMD EPYC)
+    first_trained = next(h["step"] for h in reference if h["grad_norm"] > 0)
     for name in ("accumulation", "accelerate", "torchrun", "fsdp"):
         history = log_history(tool_runs[name])
         assert [h["step"] for h in history] == [1, 2, 3, 4], name
         assert (tool_runs[name] / "before_training.txt").read_text() == before, name  # the same greedy episodes
         for ours, theirs in zip(history, reference, strict=True):
             assert ours.keys() == theirs.keys(), (name, ours["step"])
-            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (name, ours, theirs)
-            assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7), (name, ours, theirs)
+            rel = 1e-5 if ours["step"] <= first_trained else 1e-4
+            assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=rel), (name, ours, theirs)
+            assert ours["loss"] == pytest.approx(theirs["loss"], rel=rel, abs=1e-7), (name, ours, theirs)
             for key in TOOL_FIGURES:
                 if key in theirs:
-                    assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (name, key)
+                    assert ours[key] == pytest.approx(theirs[key], rel=rel, abs=1e-7), (name, key)
         other = load_file(tool_runs[name] / "adapter_model.safetensors")
         assert max((other[k] - adapter[k]).abs().max().item() for k in adapter) < 1e-4, name
         theirs = read_results(tool_runs[name])
